@@ -1,0 +1,79 @@
+"""The one error vocabulary of meshd.
+
+Exceptions are raised deep inside (wire parsing, the cache store, the shard, the
+head's loop) and mapped to an HTTP status and an OpenAI-style error body in
+exactly one place: ``daemon.server.errors``.
+"""
+
+from __future__ import annotations
+
+
+class MeshError(Exception):
+    """Base class of every error meshd reports to a client."""
+
+    status = 500
+    code = "internal_error"
+    type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class BadRequest(MeshError):
+    """The request is malformed; ``param`` names the offending field or header."""
+
+    status = 400
+    code = "invalid_request"
+    type = "invalid_request_error"
+
+
+class NotFound(MeshError):
+    status = 404
+    code = "not_found"
+    type = "invalid_request_error"
+
+
+class CacheMiss(MeshError):
+    """A decode step this node cannot serve from its session cache (answered 409).
+
+    ``reason`` is one of :data:`CACHE_MISS_REASONS`.
+    """
+
+    status = 409
+    code = "cache_miss"
+    type = "invalid_request_error"
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+CACHE_MISS_REASONS = (
+    "unknown_session",  # never prefilled here, evicted, or the node restarted
+    "past_len_mismatch",  # the cache holds a different number of tokens than the head expects
+    "start_layer_mismatch",  # the route changed which layers this node must run
+    "cache_disabled",  # the node runs stateless (--no-kv-cache or an unsupported model)
+)
+
+
+class ModelUnavailable(MeshError):
+    """The model cannot be found, fetched, converted or loaded. Says what to do."""
+
+    status = 503
+    code = "model_unavailable"
+
+
+class RouteUnavailable(MeshError):
+    """No set of known, live nodes covers every layer of the model."""
+
+    status = 503
+    code = "no_route"
+
+
+class UpstreamError(MeshError):
+    """A peer on the route failed or answered something this node cannot use."""
+
+    status = 502
+    code = "upstream_error"

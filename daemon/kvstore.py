@@ -1,0 +1,234 @@
+"""The per-node session cache store: session id -> this node's cache for its layers.
+
+Cache objects are opaque (a ``DynamicCache`` in practice): no torch, no K/V shape assumed.
+Bounds are checked on every access: a TTL, a session count (LRU) and a byte budget. The torch
+worker thread writes and the aiohttp event loop reads, so every public method takes one lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from daemon.errors import CACHE_MISS_REASONS, CacheMiss
+
+EVICTION_REASONS = ("ttl", "lru", "bytes", "dropped")
+
+
+@dataclass
+class SessionEntry:
+    """One session's cache on this node, with what the store needs to bound and report it."""
+
+    session_id: str
+    cache: object  # opaque: never inspected here
+    past_len: int  # kept here because some caches (linear attention only) have no sequence axis
+    start_layer: int  # a decode that starts at another layer cannot reuse this cache
+    nbytes: int
+    created_at: float  # clock() seconds; wall-clock epoch by default so a console can show them
+    last_used: float
+    expires_at: float  # last_used + ttl
+
+
+@dataclass
+class StoreStats:
+    """A snapshot of the store's size, limits and counters."""
+
+    sessions: int
+    bytes: int
+    max_sessions: int
+    max_bytes: int | None
+    ttl_seconds: float
+    hits: int
+    misses: int
+    misses_by_reason: dict[str, int]
+    evictions: dict[str, int]
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict (the dicts are copies)."""
+        return dataclasses.asdict(self)
+
+
+class SessionCacheStore:
+    """Session caches bounded by TTL, session count (LRU) and total bytes; thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        ttl_seconds: float = 600.0,
+        max_sessions: int = 8,
+        max_bytes: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if ttl_seconds <= 0:
+            raise ValueError(f"ttl_seconds must be > 0, got {ttl_seconds}")
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
+        self.ttl_seconds = float(ttl_seconds)
+        self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        # Least recently used first, so eviction pops from the front.
+        self._entries: OrderedDict[str, SessionEntry] = OrderedDict()
+        self._hits = 0
+        self._misses_by_reason = dict.fromkeys(CACHE_MISS_REASONS, 0)
+        self._evictions = dict.fromkeys(EVICTION_REASONS, 0)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> SessionCacheStore:
+        """Build a store from ``MESHNET_KV_*`` variables; overrides that are not None win."""
+        kwargs = {}
+        for name, key, parse in (
+            ("MESHNET_KV_TTL_SECONDS", "ttl_seconds", float),
+            ("MESHNET_KV_MAX_SESSIONS", "max_sessions", int),
+            ("MESHNET_KV_MAX_BYTES", "max_bytes", int),
+        ):
+            raw = environ.get(name, "").strip()
+            if not raw:
+                continue
+            try:
+                value = parse(raw)
+            except ValueError:
+                raise ValueError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
+            in_range = value >= 0 if key == "max_bytes" else value > 0  # both False for NaN
+            if not in_range:
+                raise ValueError(f"{name}={raw!r} is out of range")
+            kwargs[key] = value
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kwargs)
+
+    def put(
+        self, session_id: str, cache: object, *, past_len: int, start_layer: int, nbytes: int
+    ) -> SessionEntry:
+        """Store a freshly prefilled cache, replacing any entry under the id, then enforce bounds."""
+        with self._lock:
+            now = self._clock()
+            self._entries.pop(session_id, None)  # a replacement is not an eviction
+            expires_at = now + self.ttl_seconds
+            entry = SessionEntry(session_id, cache, past_len, start_layer, nbytes, now, now, expires_at)
+            self._entries[session_id] = entry
+            self._enforce_bounds(now)
+            return dataclasses.replace(entry)
+
+    def checkout(self, session_id: str, *, past_len: int, start_layer: int) -> SessionEntry:
+        """Return the entry for a decode step, or raise :class:`CacheMiss` saying why not."""
+        with self._lock:
+            now = self._clock()
+            self._enforce_bounds(now)
+            entry = self._entries.get(session_id)
+            if entry is None:
+                raise self._miss("unknown_session", f"no cached session {session_id!r} on this node")
+            # Start layer first: a changed route makes the cache useless whatever its length.
+            if entry.start_layer != start_layer:
+                what = f"was cached from layer {entry.start_layer}, the step starts at layer {start_layer}"
+                raise self._drop_stale(entry, "start_layer_mismatch", what)
+            if entry.past_len != past_len:
+                what = f"holds {entry.past_len} tokens, the step expects {past_len}"
+                raise self._drop_stale(entry, "past_len_mismatch", what)
+            self._hits += 1
+            self._touch(entry, now)
+            return dataclasses.replace(entry)
+
+    def commit(self, session_id: str, *, past_len: int, nbytes: int) -> None:
+        """Record a successful step's new length and size, then enforce bounds (bytes may have grown)."""
+        with self._lock:
+            now = self._clock()
+            entry = self._entries.get(session_id)
+            if entry is not None:  # one evicted while its step ran stays evicted; its next decode misses
+                # Refresh before expiring, so a step longer than the TTL does not lose its own cache.
+                entry.past_len = past_len
+                entry.nbytes = nbytes
+                self._touch(entry, now)
+            self._enforce_bounds(now)
+
+    def drop(self, session_id: str, reason: str = "dropped") -> bool:
+        """Remove a session, counting it as an eviction for ``reason``; False if it was not here."""
+        if reason not in EVICTION_REASONS:
+            raise ValueError(f"unknown eviction reason {reason!r}")
+        with self._lock:
+            self._enforce_bounds(self._clock())
+            return self._evict(session_id, reason)
+
+    def record_miss(self, reason: str) -> None:
+        """Count a miss decided outside the store, e.g. ``"cache_disabled"``."""
+        if reason not in CACHE_MISS_REASONS:
+            raise ValueError(f"unknown cache miss reason {reason!r}")
+        with self._lock:
+            self._misses_by_reason[reason] += 1
+
+    def get(self, session_id: str) -> SessionEntry | None:
+        """A snapshot of the live entry, without hit/miss accounting or refreshing its use time."""
+        with self._lock:
+            self._enforce_bounds(self._clock())
+            entry = self._entries.get(session_id)
+            return None if entry is None else dataclasses.replace(entry)
+
+    def entries(self) -> list[SessionEntry]:
+        """Snapshots of the live entries, most recently used first."""
+        with self._lock:
+            self._enforce_bounds(self._clock())
+            return [dataclasses.replace(e) for e in reversed(self._entries.values())]
+
+    def stats(self) -> StoreStats:
+        """Size, limits and counters after expiring stale entries."""
+        with self._lock:
+            self._enforce_bounds(self._clock())
+            return StoreStats(
+                sessions=len(self._entries),
+                bytes=sum(e.nbytes for e in self._entries.values()),
+                max_sessions=self.max_sessions,
+                max_bytes=self.max_bytes,
+                ttl_seconds=self.ttl_seconds,
+                hits=self._hits,
+                misses=sum(self._misses_by_reason.values()),
+                misses_by_reason=dict(self._misses_by_reason),
+                evictions=dict(self._evictions),
+            )
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._enforce_bounds(self._clock())
+            return len(self._entries)
+
+    # Helpers below assume the lock is held.
+
+    def _miss(self, reason: str, message: str) -> CacheMiss:
+        self._misses_by_reason[reason] += 1
+        return CacheMiss(reason, message)
+
+    def _drop_stale(self, entry: SessionEntry, reason: str, what: str) -> CacheMiss:
+        self._evict(entry.session_id, "dropped")
+        return self._miss(reason, f"session {entry.session_id!r} {what}; its cache was dropped")
+
+    def _touch(self, entry: SessionEntry, now: float) -> None:
+        entry.last_used = now
+        entry.expires_at = now + self.ttl_seconds
+        self._entries.move_to_end(entry.session_id)
+
+    def _evict(self, session_id: str, reason: str) -> bool:
+        if self._entries.pop(session_id, None) is None:
+            return False
+        self._evictions[reason] += 1
+        return True
+
+    def _enforce_bounds(self, now: float) -> None:
+        for session_id in [s for s, e in self._entries.items() if e.expires_at <= now]:
+            self._evict(session_id, "ttl")
+        # An entry too big on its own goes first and alone, rather than taking other sessions with it.
+        if self.max_bytes is not None:
+            for session_id in [s for s, e in self._entries.items() if e.nbytes > self.max_bytes]:
+                self._evict(session_id, "bytes")
+        while len(self._entries) > self.max_sessions:
+            self._evict(next(iter(self._entries)), "lru")
+        total = sum(e.nbytes for e in self._entries.values())
+        while self.max_bytes is not None and total > self.max_bytes:
+            lru = next(iter(self._entries))  # never the newest: it fits alone, so the loop stops first
+            total -= self._entries[lru].nbytes
+            self._evict(lru, "bytes")
