@@ -1,0 +1,142 @@
+"""JSON shapes of the endpoints the console reads. No torch, no aiohttp.
+
+``GET /v1/status`` -> :class:`NodeStatus`, ``GET /v1/sessions`` -> :class:`SessionList`,
+``GET /v1/route`` -> :class:`RouteInfo`. Layer ranges are half-open ``[start, end)``
+here; people see them inclusive (``0-14``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def format_layers(start: int, end: int) -> str:
+    """Inclusive, as on the command line: ``[0, 15)`` -> ``"0-14"``."""
+    return f"{start}-{end - 1}"
+
+
+def parse_layers(text: str, *, num_layers: int | None = None) -> tuple[int, int]:
+    """Parse an inclusive ``A-B`` (or a single ``A``) into a half-open ``(A, B + 1)``."""
+    parts = text.strip().split("-")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"layer range must look like 0-14, got {text!r}")
+    start, last = int(parts[0]), int(parts[-1])
+    if last < start:
+        raise ValueError(f"layer range {text!r} ends before it starts")
+    if num_layers is not None and last >= num_layers:
+        raise ValueError(f"layer range {text!r} goes past the model's last layer {num_layers - 1}")
+    return start, last + 1
+
+
+@dataclass
+class ModelSummary:
+    name: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    fingerprint: str
+
+
+@dataclass
+class PeerSummary:
+    url: str
+    up: bool
+    start: int | None = None
+    end: int | None = None
+    last_seen: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class NodeStatus:
+    url: str
+    version: str
+    model: ModelSummary
+    start: int
+    end: int
+    roles: list[str]
+    kv_cache_enabled: bool
+    supports_kv_cache: bool
+    threads: int
+    active_generations: int
+    active_steps: int
+    weights_bytes: dict[str, int]
+    store: dict[str, Any]
+    peers: list[PeerSummary]
+    time: float
+
+    @property
+    def layers(self) -> str:
+        return format_layers(self.start, self.end)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"layers": self.layers}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "NodeStatus":
+        data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        data["model"] = ModelSummary(**data["model"])
+        data["peers"] = [PeerSummary(**p) for p in data.get("peers", [])]
+        return cls(**data)
+
+
+@dataclass
+class SessionInfo:
+    session_id: str
+    past_len: int
+    start_layer: int
+    bytes: int
+    created_at: float
+    last_used: float
+    expires_at: float
+
+
+@dataclass
+class SessionList:
+    """A node's live KV sessions, with the node's clock so TTLs can count down locally."""
+
+    time: float
+    sessions: list[SessionInfo] = field(default_factory=list)
+    store: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SessionList":
+        return cls(
+            time=data["time"],
+            sessions=[SessionInfo(**s) for s in data.get("sessions", [])],
+            store=data.get("store", {}),
+        )
+
+
+@dataclass
+class RouteHopInfo:
+    url: str
+    start_layer: int
+    end_layer: int
+    kv_cache: bool
+    local: bool
+    latency_ms: float | None = None
+
+
+@dataclass
+class RouteInfo:
+    """The head's current route, or why there is none."""
+
+    hops: list[RouteHopInfo] = field(default_factory=list)
+    error: str | None = None
+    planned_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RouteInfo":
+        return cls(
+            hops=[RouteHopInfo(**h) for h in data.get("hops", [])],
+            error=data.get("error"),
+            planned_at=data.get("planned_at"),
+        )

@@ -1,0 +1,139 @@
+"""The ``meshd`` command: run a node, or fetch the built-in model ahead of time.
+
+    meshd --layers 0-14 --port 7070 --peer http://127.0.0.1:7071
+    meshd fetch-model
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from daemon import __version__
+from daemon.config import ConfigError, default_config_path, default_threads, load_config
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshd",
+        description="A meshnet node: hosts a range of a model's decoder layers and serves /forward "
+        "and an OpenAI-compatible chat API. `meshd fetch-model` fetches the built-in model ahead of time.",
+        epilog=f"Precedence: command line, then MESHNET_* environment, then {default_config_path()}, then defaults.",
+    )
+    p.add_argument("--version", action="version", version=f"meshd {__version__}")
+    p.add_argument("--model", help="a local Hugging Face model folder, a .gguf file, or the built-in "
+                   "default SmolLM2-135M-Instruct (used when absent)")
+    p.add_argument("--layers", help="inclusive layer range to host, e.g. 0-14 (default: every layer)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default 7070)")
+    p.add_argument("--peer", dest="peers", action="append", metavar="URL",
+                   help="another node, e.g. http://127.0.0.1:7071 (repeatable)")
+    p.add_argument("--no-kv-cache", dest="kv_cache", action="store_const", const=False,
+                   help="keep no session caches: every step runs the full sequence (stateless)")
+    p.add_argument("--threads", type=int, help="torch threads (default: this host's cores shared among "
+                   "the daemons on it, counting peers on loopback)")
+    p.add_argument("--kv-ttl", dest="kv_ttl_seconds", type=float, help="session cache TTL in seconds (default 600)")
+    p.add_argument("--kv-max-sessions", type=int, help="most sessions cached at once (default 8)")
+    p.add_argument("--kv-max-bytes", type=int, help="byte budget of the session caches (default: none)")
+    p.add_argument("--wire-dtype", choices=["float32", "float16", "bfloat16"],
+                   help="dtype of activations this node sends as head (default float32, exact)")
+    p.add_argument("--public-url", help="the URL peers use to reach this node (default http://HOST:PORT)")
+    p.add_argument("--config", help=f"TOML config file (default {default_config_path()})")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _fetch_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshd fetch-model", description="Fetch and convert the built-in model "
+                                "(SmolLM2-135M-Instruct) into the user cache folder, once.")
+    p.add_argument("--force", action="store_true", help="fetch and convert again even if cached")
+    return p
+
+
+def _say(message: str) -> None:
+    print(f"meshd: {message}", file=sys.stderr, flush=True)
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"meshd: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def fetch_model(argv: list[str]) -> int:
+    from daemon.errors import ModelUnavailable
+    from daemon.model.source import fetch_default_model
+
+    args = _fetch_parser().parse_args(argv)
+    try:
+        path = fetch_default_model(progress=_say, force=args.force)
+    except ModelUnavailable as exc:
+        return _fail(exc.message)
+    _say(f"the built-in model is ready in {path}")
+    return 0
+
+
+def serve(argv: list[str]) -> int:
+    args = _serve_parser().parse_args(argv)
+    from pathlib import Path
+
+    try:
+        config = load_config(
+            {k: v for k, v in vars(args).items() if k != "config"},
+            path=Path(args.config) if args.config else None,
+        )
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    threads = config.threads or default_threads(config)
+    # before torch is imported: idle OpenMP workers must sleep, not spin on cores another daemon needs
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+    from aiohttp import web
+
+    from daemon.api import format_layers, parse_layers
+    from daemon.errors import ModelUnavailable
+    from daemon.model.shard import read_model_info
+    from daemon.model.source import resolve_model
+    from daemon.node import Node
+    from daemon.server.app import create_app
+
+    started = time.perf_counter()
+    try:
+        folder = resolve_model(config.model, progress=_say)
+        info = read_model_info(folder)
+        try:
+            start, end = parse_layers(config.layers, num_layers=info.num_layers) if config.layers else (0, info.num_layers)
+        except ValueError as exc:
+            return _fail(f"--layers: {exc}", 2)
+        _say(f"loading layers {format_layers(start, end)} of {info.name} ({info.num_layers} layers) "
+             f"with {threads} thread(s)")
+        node = Node.load(config, folder, start, end, threads)
+    except ModelUnavailable as exc:
+        return _fail(exc.message)
+    weights = sum(node.shard.loaded_bytes().values())
+    _say(f"loaded in {time.perf_counter() - started:.1f} s, {weights / 1e6:.0f} MB of weights; "
+         f"kv cache {'on' if node.shard.supports_kv_cache else 'off'}")
+    app = create_app(node)
+    try:
+        web.run_app(
+            app, host=config.host, port=config.port, access_log=None,
+            print=lambda _: _say(f"serving on {config.url}"),
+        )
+    except OSError as exc:
+        return _fail(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["fetch-model"]:
+        return fetch_model(argv[1:])
+    return serve(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""meshd's configuration, with one precedence order:
+
+    command line  >  environment (MESHNET_*)  >  TOML file  >  defaults
+
+The TOML file is ``meshd.toml`` in the platformdirs config folder (or the file
+named by ``--config`` / ``MESHNET_CONFIG``); its keys are the field names below.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import platformdirs
+
+DEFAULT_PORT = 7070
+
+
+@dataclass
+class NodeConfig:
+    model: str | None = None  # None: the built-in default model
+    layers: str | None = None  # inclusive "A-B"; None: every layer
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    peers: list[str] = field(default_factory=list)
+    kv_cache: bool = True
+    threads: int | None = None  # None: the machine's cores shared among the daemons on this host
+    kv_ttl_seconds: float = 600.0
+    kv_max_sessions: int = 8
+    kv_max_bytes: int | None = None
+    wire_dtype: str = "float32"
+    max_tokens_default: int = 256
+    log_level: str = "info"
+    public_url: str | None = None  # how peers reach this node; default http://host:port
+
+    @property
+    def url(self) -> str:
+        return self.public_url or f"http://{self.host}:{self.port}"
+
+
+# environment variable -> field, and how to read it
+_ENV = {
+    "MESHNET_MODEL": ("model", str),
+    "MESHNET_LAYERS": ("layers", str),
+    "MESHNET_HOST": ("host", str),
+    "MESHNET_PORT": ("port", int),
+    "MESHNET_PEERS": ("peers", lambda v: [p for p in v.replace(",", " ").split() if p]),
+    "MESHNET_KV_CACHE": ("kv_cache", lambda v: v.strip().lower() not in ("0", "false", "no", "off")),
+    "MESHNET_THREADS": ("threads", int),
+    "MESHNET_KV_TTL_SECONDS": ("kv_ttl_seconds", float),
+    "MESHNET_KV_MAX_SESSIONS": ("kv_max_sessions", int),
+    "MESHNET_KV_MAX_BYTES": ("kv_max_bytes", int),
+    "MESHNET_WIRE_DTYPE": ("wire_dtype", str),
+    "MESHNET_LOG_LEVEL": ("log_level", str),
+    "MESHNET_PUBLIC_URL": ("public_url", str),
+}
+
+
+def default_config_path() -> Path:
+    return Path(platformdirs.user_config_dir("meshnet")) / "meshd.toml"
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names where it came from."""
+
+
+def load_config(cli: dict, environ: os._Environ | dict = os.environ, path: Path | None = None) -> NodeConfig:
+    """Merge the sources in precedence order. ``cli`` holds only options the user gave."""
+    names = {f.name for f in fields(NodeConfig)}
+    merged: dict = {}
+    path = path or (Path(environ["MESHNET_CONFIG"]) if environ.get("MESHNET_CONFIG") else default_config_path())
+    if path.exists():
+        try:
+            data = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, OSError) as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"{path}: unknown keys {unknown}; known keys are {sorted(names)}")
+        merged.update(data)
+    for var, (name, parse) in _ENV.items():
+        if environ.get(var, "").strip():
+            try:
+                merged[name] = parse(environ[var])
+            except ValueError:
+                raise ConfigError(f"{var}={environ[var]!r} is not a valid {name}") from None
+    merged.update({k: v for k, v in cli.items() if v is not None})
+    config = NodeConfig(**merged)
+    if config.wire_dtype not in ("float32", "float16", "bfloat16"):
+        raise ConfigError(f"wire dtype must be float32, float16 or bfloat16, got {config.wire_dtype!r}")
+    if config.threads is not None and config.threads < 1:
+        raise ConfigError("threads must be at least 1")
+    return config
+
+
+def default_threads(config: NodeConfig) -> int:
+    """Share the cores among the daemons on this host, so co-located daemons never oversubscribe.
+
+    Daemons on one host are this node plus its peers on a loopback address. One
+    pipeline step runs one node at a time, but OpenMP workers that spin while
+    another process computes slow both by 3-5x; a fair share avoids that.
+    """
+    local_peers = sum(1 for p in config.peers if any(h in p for h in ("127.0.0.1", "localhost", "[::1]")))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // (1 + local_peers))

@@ -1,0 +1,263 @@
+"""The head's generation loop: the client side of the mesh.
+
+One session id per generation; a prefill of the whole prompt along the route,
+then one-token decode steps. A 409 cache miss on any hop costs one re-prefill of
+the sequence so far under the same session id, never a failed answer. A route
+with a node that does not cache runs stateless (the full sequence every step);
+a tail that returns no ``token_id`` (an older node) makes every step a prefill.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+
+from daemon import wire
+from daemon.errors import BadRequest, CacheMiss, UpstreamError
+from daemon.mesh.routing import Hop
+from daemon.mesh.text import TextStream
+
+
+@dataclass
+class HopReply:
+    """What a hop answered: activations for the next hop, or the tail's token."""
+
+    activation: wire.Activation | None = None
+    token_id: int | None = None
+    text: str | None = None
+
+
+class HeadBackend(Protocol):
+    """What the loop needs from the head's own model: tokenizer, embeddings and local layers."""
+
+    hidden_size: int
+    eos_token_ids: set[int]
+    eos_texts: set[str]  # for an older tail that answers text only
+
+    async def embed(self, token_ids: list[int]) -> wire.Activation: ...
+
+    async def local_step(self, activation: wire.Activation, *, mode: str | None, session_id: str,
+                         past_len: int, start_layer: int, hop_index: int, sampling: dict) -> HopReply: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+    def drop_local_session(self, session_id: str) -> None: ...
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: dict  # temperature, top_p, top_k, seed: sent to the tail
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GenerationStats:
+    """What one generation cost, for the response's usage and the console."""
+
+    session_id: str
+    prompt_tokens: int
+    completion_tokens: int = 0
+    prefills: int = 0
+    reprefills: int = 0
+    cache_misses: int = 0
+    stateless_steps: int = 0
+    prefill_ms: float | None = None
+    first_token_ms: float | None = None
+    decode_seconds: float = 0.0
+    finish_reason: str | None = None
+    route: list[dict] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        steps = self.completion_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in vars(self).items()} | {"decode_tokens_per_second": self.decode_tokens_per_second}
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    text: str  # newly final text, maybe empty
+
+
+class HopClient:
+    """Sends one step to a remote node over a shared keep-alive HTTP session."""
+
+    def __init__(self, session: aiohttp.ClientSession, *, hidden_size: int, timeout: float = 120.0) -> None:
+        self._session = session
+        self._hidden_size = hidden_size
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def step(self, hop: Hop, activation: wire.Activation, headers: dict[str, str]) -> HopReply:
+        url = hop.url.rstrip("/") + "/forward"
+        try:
+            async with self._session.post(url, data=activation.data, headers=headers, timeout=self._timeout) as resp:
+                body = await resp.read()
+                if resp.status == 409:
+                    info = _json_or_empty(body)
+                    raise CacheMiss(info.get("reason", "unknown_session"), info.get("message", f"{hop.url}: cache miss"))
+                if resp.status != 200:
+                    message = _json_or_empty(body).get("error", {})
+                    message = message.get("message") if isinstance(message, dict) else message
+                    raise UpstreamError(f"{hop.url} answered {resp.status}: {message or body[:200]!r}")
+                if resp.content_type == wire.ACTIVATION_CONTENT_TYPE:
+                    try:
+                        return HopReply(activation=wire.parse_activation(resp.headers, body, hidden_size=self._hidden_size))
+                    except BadRequest as exc:
+                        raise UpstreamError(f"{hop.url} sent a malformed activation: {exc.message}") from None
+                reply = _json_or_empty(body)
+                if "text" not in reply and "token_id" not in reply:
+                    raise UpstreamError(f"{hop.url} sent neither activations nor a token")
+                return HopReply(token_id=reply.get("token_id"), text=reply.get("text", ""))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(f"{hop.url} is unreachable: {exc.__class__.__name__}: {exc}") from None
+
+
+def _json_or_empty(body: bytes) -> dict:
+    import json
+
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+async def run_step(
+    backend: HeadBackend,
+    client: HopClient,
+    route: list[Hop],
+    activation: wire.Activation,
+    *,
+    mode: str | None,
+    session_id: str,
+    past_len: int,
+    sampling: dict,
+    on_hop: Callable[[Hop, float], None] | None = None,
+) -> HopReply:
+    """Pass one step's activations along ``route``; the last hop answers with a token."""
+    reply = HopReply(activation=activation)
+    for index, hop in enumerate(route):
+        if reply.activation is None:
+            raise UpstreamError(f"hop {index - 1} ({route[index - 1].url}) answered a token before the last layer")
+        tail_sampling = sampling if index == len(route) - 1 else {}
+        started = time.perf_counter()
+        if hop.local:
+            reply = await backend.local_step(
+                reply.activation, mode=mode, session_id=session_id, past_len=past_len,
+                start_layer=hop.start_layer, hop_index=index, sampling=tail_sampling,
+            )
+        else:
+            headers = wire.forward_headers(
+                reply.activation, mode=mode, session_id=session_id, past_len=past_len,
+                start_layer=hop.start_layer, hop_index=index, sampling=tail_sampling,
+            )
+            reply = await client.step(hop, reply.activation, headers)
+        if on_hop is not None:
+            on_hop(hop, (time.perf_counter() - started) * 1000.0)
+    if reply.activation is not None:
+        raise UpstreamError(f"the last hop ({route[-1].url}) answered activations, not a token")
+    return reply
+
+
+async def generate(
+    backend: HeadBackend,
+    client: HopClient,
+    route: list[Hop],
+    request: GenerationRequest,
+    *,
+    stats: GenerationStats | None = None,
+    on_hop: Callable[[Hop, float], None] | None = None,
+) -> AsyncIterator[TokenEvent]:
+    """Generate up to ``request.max_tokens`` tokens along ``route``, yielding text as it becomes final.
+
+    ``stats`` (created by the caller so it can be read while streaming) is filled in as it goes;
+    ``stats.finish_reason`` is ``"stop"`` or ``"length"`` at the end.
+    """
+    if not request.prompt_ids:
+        raise BadRequest("the prompt is empty", param="messages")
+    session_id = stats.session_id if stats else uuid.uuid4().hex
+    stats = stats or GenerationStats(session_id=session_id, prompt_tokens=len(request.prompt_ids))
+    stats.route = [hop.to_dict() for hop in route]
+    cached = all(hop.kv_cache for hop in route)
+    ids = list(request.prompt_ids)
+    generated: list[int] = []
+    legacy_text = ""  # only for a tail that returns text without token ids
+    past_len = 0
+    mode: str | None = "prefill" if cached else None
+    stream = TextStream(backend.decode, request.stop)
+    started = time.perf_counter()
+    decode_started: float | None = None
+    try:
+        while len(generated) < request.max_tokens:
+            feed = ids[past_len:] if mode == "decode" else ids
+            step_started = time.perf_counter()
+            activation = await backend.embed(feed)
+            try:
+                reply = await run_step(
+                    backend, client, route, activation, mode=mode, session_id=session_id,
+                    past_len=past_len, sampling=request.sampling, on_hop=on_hop,
+                )
+            except CacheMiss as miss:
+                if mode != "decode":
+                    raise UpstreamError(f"a node answered a cache miss to a {mode or 'stateless'} step") from None
+                stats.cache_misses += 1
+                if miss.reason == "cache_disabled":
+                    cached, mode = False, None  # a node that cannot cache: the rest runs stateless
+                else:
+                    stats.reprefills += 1
+                    mode = "prefill"  # one re-prefill of everything so far, same session id
+                continue
+            if mode == "prefill":
+                stats.prefills += 1
+                if stats.prefill_ms is None:
+                    stats.prefill_ms = (time.perf_counter() - step_started) * 1000.0
+            elif mode is None:
+                stats.stateless_steps += 1
+            if reply.token_id is None:
+                # an older tail: take its text, re-tokenize, and prefill every step
+                legacy_text += reply.text or ""
+                token_id = None
+                ids = list(request.prompt_ids) + backend.encode_text(legacy_text)
+                generated.append(-1)
+                mode = "prefill" if cached else None
+                done = (reply.text or "") in backend.eos_texts
+                delta = "" if done else reply.text or ""
+            else:
+                token_id = reply.token_id
+                generated.append(token_id)
+                past_len = len(ids)
+                ids.append(token_id)
+                mode = "decode" if cached else None
+                done = token_id in backend.eos_token_ids
+                delta = stream.finish() if done else stream.push(token_id)
+            stats.completion_tokens = len(generated)
+            now = time.perf_counter()
+            if stats.first_token_ms is None:
+                stats.first_token_ms = (now - started) * 1000.0
+                decode_started = now
+            else:
+                stats.decode_seconds = now - decode_started
+            if done or stream.stopped:
+                stats.finish_reason = "stop"
+                if delta:
+                    yield TokenEvent(token_id if token_id is not None else -1, delta)
+                return
+            yield TokenEvent(token_id if token_id is not None else -1, delta)
+        stats.finish_reason = "length"
+        tail = stream.finish()
+        if tail:
+            yield TokenEvent(-1, tail)
+    finally:
+        backend.drop_local_session(session_id)

@@ -1,0 +1,423 @@
+"""A contiguous range of a causal LM's decoder layers, run the way the model's own
+``forward`` runs them.
+
+A shard builds the full model skeleton with every parameter on the ``meta``
+device (no memory), then materialises only what it needs from the checkpoint:
+its own decoder layers, the embeddings where it acts as head, and the final
+norm and LM head where it is the tail. Loading goes through transformers' own
+weight conversion, so checkpoints whose layout differs from the module layout
+(fused MoE experts in transformers 5) load exactly as ``from_pretrained`` would.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from daemon.errors import BadRequest, CacheMiss, ModelUnavailable
+from daemon.kvstore import SessionCacheStore
+from daemon.model.sampling import SamplingParams, sample_token
+
+log = logging.getLogger(__name__)
+
+# Which mask each attention type gets, as the models' own forwards build them.
+_MASK_BUILDERS = {
+    "full_attention": "create_causal_mask",
+    "sliding_attention": "create_sliding_window_causal_mask",
+    "chunked_attention": "create_chunked_causal_mask",
+    "linear_attention": "create_recurrent_attention_mask",
+    "mamba": "create_recurrent_attention_mask",
+    "conv": "create_recurrent_attention_mask",
+}
+
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_NORM_KEY = re.compile(r"(?:^|\.)norm\.(?:weight|bias)$")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What peers must agree on to serve one model together."""
+
+    name: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    fingerprint: str
+
+
+@dataclass
+class StepResult:
+    """The outcome of one /forward step on this shard: hidden states, or a token on the tail."""
+
+    hidden: torch.Tensor | None = None
+    token_id: int | None = None
+    text: str | None = None
+
+
+def read_model_info(folder: Path) -> ModelInfo:
+    """Read the identity of the model in ``folder`` without loading weights."""
+    import hashlib
+
+    from transformers import AutoConfig
+
+    config_bytes = (folder / "config.json").read_bytes()
+    config = AutoConfig.from_pretrained(folder)
+    text = getattr(config, "text_config", None) or config
+    return ModelInfo(
+        name=folder.name,
+        model_type=config.model_type,
+        num_layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
+        vocab_size=text.vocab_size,
+        fingerprint=hashlib.sha256(config_bytes).hexdigest()[:16],
+    )
+
+
+class ModelShard:
+    """Decoder layers ``[start, end)`` of the model in ``folder``, plus what its roles need.
+
+    Thread-compatible, not thread-safe: the daemon runs every step on one worker thread.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        start: int,
+        end: int,
+        *,
+        head: bool = True,
+        kv_cache: bool = True,
+        sessions: SessionCacheStore | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        from transformers import AutoConfig
+
+        self.folder = Path(folder)
+        self.info = read_model_info(self.folder)
+        self.config = AutoConfig.from_pretrained(self.folder)
+        n = self.info.num_layers
+        if not (0 <= start < end <= n):
+            raise ModelUnavailable(
+                f"layer range {start}-{end - 1} is outside the model's layers 0-{n - 1}"
+            )
+        self.start, self.end, self.dtype = start, end, dtype
+        self.is_tail = end == n
+        self.layer_types: list[str] = list(
+            getattr(self.config, "layer_types", None) or [self._default_layer_type()] * n
+        )
+        unknown = sorted(set(self.layer_types[start:end]) - set(_MASK_BUILDERS))
+        if unknown:
+            raise ModelUnavailable(
+                f"unsupported architecture {self.info.model_type!r}: layer types {unknown} are not supported"
+            )
+        self._head_lock = threading.Lock()
+        self.model = self._build_skeleton()
+        self._load_tensors(self._wanted_parts(head=head))
+        self.tokenizer = self._load_tokenizer() if (head or self.is_tail) else None
+        self.eos_token_ids = self._eos_token_ids()
+        self.sessions = sessions if kv_cache else None
+        self.kv_cache_enabled = kv_cache
+        self.supports_kv_cache = self._probe_kv_cache() if kv_cache else False
+        if kv_cache and not self.supports_kv_cache:
+            log.warning("layers of %s reject the cache arguments; this node runs stateless", self.info.model_type)
+            self.sessions = None
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def _default_layer_type(self) -> str:
+        # Mistral-style configs without layer_types use one sliding window on every layer
+        return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
+
+    def _build_skeleton(self) -> torch.nn.Module:
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        try:
+            with init_empty_weights():  # parameters on meta, buffers (rotary inv_freq) real
+                model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
+        except ValueError as exc:
+            raise ModelUnavailable(
+                f"unsupported architecture {self.info.model_type!r}: not a causal language model ({exc})"
+            ) from None
+        base = getattr(model, "model", None)
+        missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, a)]
+        if missing or not hasattr(model, "lm_head"):
+            raise ModelUnavailable(
+                f"unsupported architecture {self.info.model_type!r}: its decoder lacks {missing or ['lm_head']}"
+            )
+        return model.eval()
+
+    def _wanted_parts(self, *, head: bool) -> set[str]:
+        parts = {"layers"}
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        if head or (self.is_tail and tied):
+            parts.add("embed")
+        if self.is_tail:
+            parts |= {"norm", "lm_head"}
+        return parts
+
+    def _checkpoint_part(self, key: str) -> str | None:
+        if m := _LAYER_KEY.search(key):
+            return "layers" if self.start <= int(m.group(1)) < self.end else None
+        if "embed_tokens" in key:
+            return "embed"
+        if key.startswith("lm_head."):
+            return "lm_head"
+        if _NORM_KEY.search(key):
+            return "norm"
+        return None
+
+    def _load_tensors(self, parts: set[str]) -> None:
+        from safetensors import safe_open
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise ModelUnavailable(f"no *.safetensors weights in {self.folder}")
+        handles, state_dict = [], {}
+        for file in files:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+            handles.append(handle)
+            for key in handle.keys():
+                if self._checkpoint_part(key) in parts:
+                    state_dict[key] = handle.get_slice(key)  # materialised only during conversion
+        config = LoadStateDictConfig(
+            dtype=self.dtype,
+            weight_mapping=get_model_conversion_mapping(self.model, None, None),
+            device_map={"": "cpu"},
+        )
+        # transformers' own loader: renames and fuses checkpoint tensors (MoE experts, qkv) as from_pretrained does
+        info, _ = convert_and_load_state_dict_in_model(self.model, state_dict, config)
+        if info.conversion_errors or info.error_msgs:
+            raise ModelUnavailable(f"could not load weights from {self.folder}: {info.conversion_errors or info.error_msgs}")
+        del handles, state_dict
+        if "lm_head" in parts and self.model.lm_head.weight.device.type == "meta":
+            self.model.lm_head.weight = self.model.model.embed_tokens.weight  # tied embeddings
+        self._check_loaded(parts)
+
+    def _modules_for(self, parts: set[str]) -> dict[str, torch.nn.Module]:
+        base = self.model.model
+        modules: dict[str, torch.nn.Module] = {}
+        if "layers" in parts:
+            modules.update({f"layer {i}": base.layers[i] for i in range(self.start, self.end)})
+        if "embed" in parts:
+            modules["embeddings"] = base.embed_tokens
+        if "norm" in parts:
+            modules["final norm"] = base.norm
+        if "lm_head" in parts:
+            modules["LM head"] = self.model.lm_head
+        return modules
+
+    def _check_loaded(self, parts: set[str]) -> None:
+        for what, module in self._modules_for(parts).items():
+            on_meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
+            if on_meta:
+                raise ModelUnavailable(f"the checkpoint in {self.folder} lacks weights of {what}: {on_meta[:4]}")
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.folder)
+        except Exception as exc:  # noqa: BLE001 - any tokenizer failure means the same thing to the user
+            raise ModelUnavailable(f"cannot load the tokenizer from {self.folder}: {exc}") from None
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen_path = self.folder / "generation_config.json"
+        candidates = [getattr(self.config, "eos_token_id", None)]
+        if gen_path.exists():
+            candidates.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+        if self.tokenizer is not None:
+            candidates.append(self.tokenizer.eos_token_id)
+        for c in candidates:
+            ids.update(c if isinstance(c, list) else [c] if c is not None else [])
+        return ids
+
+    def default_sampling(self) -> dict:
+        """Sampling when a request names none: the model's generation config, else greedy."""
+        gen_path = self.folder / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        if not gen.get("do_sample"):
+            return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+        return {
+            "temperature": float(gen.get("temperature", 1.0)),
+            "top_p": float(gen.get("top_p", 1.0)),
+            "top_k": int(gen.get("top_k", 0) or 0),
+        }
+
+    def ensure_head(self) -> None:
+        """Load the embeddings and tokenizer on first use as head (a no-op once loaded)."""
+        with self._head_lock:
+            if self.model.model.embed_tokens.weight.device.type == "meta":
+                self._load_tensors({"embed"})
+            if self.tokenizer is None:
+                self.tokenizer = self._load_tokenizer()
+                self.eos_token_ids = self._eos_token_ids()
+
+    @property
+    def is_head_loaded(self) -> bool:
+        return self.model.model.embed_tokens.weight.device.type != "meta" and self.tokenizer is not None
+
+    def loaded_bytes(self) -> dict[str, int]:
+        """Bytes of materialised weights by part: the shard's footprint, measured, not estimated."""
+        seen: set[int] = set()
+        totals: dict[str, int] = {}
+        groups = {
+            "layers": [self.model.model.layers[i] for i in range(self.start, self.end)],
+            "embeddings": [self.model.model.embed_tokens],
+            "final_norm_and_lm_head": [self.model.model.norm, self.model.lm_head],
+        }
+        for name, modules in groups.items():
+            total = 0
+            for module in modules:
+                for p in module.parameters():
+                    if p.device.type != "meta" and p.data_ptr() not in seen:
+                        seen.add(p.data_ptr())
+                        total += p.numel() * p.element_size()
+            totals[name] = total
+        return totals
+
+    # ---- running ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        """Hidden states ``[1, T, hidden]`` for ``token_ids`` (head only)."""
+        self.ensure_head()
+        ids = torch.tensor([token_ids], dtype=torch.long)
+        return self.model.model.embed_tokens(ids).to(self.dtype)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        # the same construction the model's own forward uses: per-layer types from the config
+        return DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def run_layers(self, hidden: torch.Tensor, *, start_layer: int, past_len: int, cache) -> torch.Tensor:
+        """Run layers ``[start_layer, end)`` over ``hidden [1, T, hidden]`` at positions ``past_len..``."""
+        from transformers import masking_utils
+
+        q_len = hidden.shape[1]
+        position_ids = torch.arange(past_len, past_len + q_len).unsqueeze(0)  # [1, T]
+        hosted = range(start_layer, self.end)
+        # one mask per layer type, each built against the first hosted layer of that type:
+        # the cache's layer 0 is empty on a shard that does not host it
+        masks = {}
+        for i in hosted:
+            layer_type = self.layer_types[i]
+            if layer_type not in masks:
+                build = getattr(masking_utils, _MASK_BUILDERS[layer_type])
+                masks[layer_type] = build(
+                    config=self.config,
+                    inputs_embeds=hidden,
+                    attention_mask=None,
+                    cache=cache,
+                    position_ids=position_ids,
+                    layer_idx=i,
+                )
+        position_embeddings = self.model.model.rotary_emb(hidden, position_ids)
+        layers = self.model.model.layers
+        use_cache = cache is not None
+        for i in hosted:
+            hidden = layers[i](
+                hidden,
+                attention_mask=masks[self.layer_types[i]],
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+            )
+        return hidden
+
+    @torch.inference_mode()
+    def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on the last position only: logits ``[vocab]``."""
+        last = self.model.model.norm(hidden[:, -1:, :])
+        return self.model.lm_head(last)[0, -1].float()
+
+    def step(
+        self,
+        hidden: torch.Tensor,
+        *,
+        mode: str | None,
+        session_id: str | None,
+        past_len: int,
+        start_layer: int,
+        sampling: SamplingParams,
+    ) -> StepResult:
+        """One /forward step: ``mode`` is ``"prefill"``, ``"decode"`` or ``None`` (stateless)."""
+        if not (self.start <= start_layer < self.end):
+            raise BadRequest(
+                f"start layer {start_layer} is outside this node's layers {self.start}-{self.end - 1}",
+                param="X-Meshnet-Start-Layer",
+            )
+        cache = None
+        if mode == "decode":
+            if self.sessions is None:
+                raise CacheMiss("cache_disabled", "this node runs stateless; prefill instead")
+            cache = self.sessions.checkout(session_id, past_len=past_len, start_layer=start_layer).cache
+        elif mode == "prefill":
+            past_len = 0
+            if self.sessions is not None:
+                cache = self.new_cache()
+        else:
+            past_len = 0
+        out = self.run_layers(hidden, start_layer=start_layer, past_len=past_len, cache=cache)
+        new_len = past_len + hidden.shape[1]
+        if cache is not None:
+            if mode == "prefill":
+                self.sessions.put(session_id, cache, past_len=new_len, start_layer=start_layer, nbytes=cache_nbytes(cache))
+            else:
+                self.sessions.commit(session_id, past_len=new_len, nbytes=cache_nbytes(cache))
+        if not self.is_tail:
+            return StepResult(hidden=out)
+        token_id = sample_token(self.logits_last(out), sampling, position=new_len)
+        return StepResult(token_id=token_id, text=self.tokenizer.decode([token_id]))
+
+    def _probe_kv_cache(self) -> bool:
+        """Check once that the layers take and fill a cache; models that ignore it run stateless."""
+        hidden = torch.zeros(1, 2, self.info.hidden_size, dtype=self.dtype)
+        cache = self.new_cache()
+        try:
+            self.run_layers(hidden, start_layer=self.start, past_len=0, cache=cache)
+            self.run_layers(hidden[:, :1], start_layer=self.start, past_len=2, cache=cache)
+        except TypeError as exc:
+            log.warning("cache probe failed: %s", exc)
+            return False
+        return cache_nbytes(cache) > 0
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes held by a cache object, whatever its layer types keep (K/V, conv or recurrent state)."""
+    total, seen = 0, set()
+
+    def visit(obj, depth: int) -> None:
+        nonlocal total
+        if depth > 4 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "meta":
+                total += obj.numel() * obj.element_size()
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item, depth + 1)
+        elif isinstance(obj, dict):
+            for item in obj.values():
+                visit(item, depth + 1)
+        elif hasattr(obj, "__dict__") and depth > 0:
+            for item in vars(obj).values():
+                visit(item, depth + 1)
+
+    visit(getattr(cache, "layers", []), 0)
+    return total

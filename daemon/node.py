@@ -1,0 +1,198 @@
+"""One meshd node: its shard, session store, torch worker, peers and head role, wired together.
+
+Every piece of torch work runs on one dedicated worker thread, so the HTTP event
+loop answers ``/health`` and ``/v1/status`` in milliseconds while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from daemon import __version__, wire
+from daemon.api import ModelSummary, NodeStatus, RouteHopInfo, RouteInfo, SessionInfo, SessionList
+from daemon.config import NodeConfig
+from daemon.errors import RouteUnavailable
+from daemon.kvstore import SessionCacheStore
+from daemon.mesh.generation import HopReply
+from daemon.mesh.peers import PeerDirectory
+from daemon.mesh.routing import Candidate, Hop, plan_route
+from daemon.model.sampling import SamplingParams
+from daemon.model.shard import ModelShard, StepResult
+from daemon.model.tensors import to_activation, to_tensor
+
+log = logging.getLogger(__name__)
+
+
+class Node:
+    """A loaded shard plus everything a node does with it. Build with :meth:`load`."""
+
+    def __init__(self, config: NodeConfig, shard: ModelShard, store: SessionCacheStore, threads: int) -> None:
+        self.config = config
+        self.shard = shard
+        self.store = store
+        self.threads = threads
+        self.url = config.url
+        self.hidden_size = shard.info.hidden_size
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self.peers = PeerDirectory(config.peers, self_url=self.url, fingerprint=shard.info.fingerprint)
+        self.active_generations = 0
+        self.active_steps = 0
+        self.route: list[Hop] = []
+        self.route_error: str | None = None
+        self.route_planned_at: float | None = None
+        self.hop_latency_ms: dict[str, float] = {}
+
+    @classmethod
+    def load(cls, config: NodeConfig, folder: Path, start: int, end: int, threads: int) -> "Node":
+        """Load the shard (blocking). ``[start, end)`` is half-open."""
+        torch.set_num_threads(threads)
+        store = SessionCacheStore(
+            ttl_seconds=config.kv_ttl_seconds,
+            max_sessions=config.kv_max_sessions,
+            max_bytes=config.kv_max_bytes,
+        )
+        shard = ModelShard(folder, start, end, head=start == 0, kv_cache=config.kv_cache, sessions=store)
+        return cls(config, shard, store, threads)
+
+    async def run(self, fn, *args):
+        """Run torch work on the node's single worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- the server side: one /forward step ------------------------------------------------
+
+    def _step(self, request: wire.ForwardRequest) -> StepResult:
+        hidden = to_tensor(request.activation, compute_dtype=self.shard.dtype)
+        return self.shard.step(
+            hidden,
+            mode=request.mode,
+            session_id=request.session_id,
+            past_len=request.past_len,
+            start_layer=request.start_layer,
+            sampling=SamplingParams(**request.sampling),
+        )
+
+    async def forward(self, request: wire.ForwardRequest) -> HopReply:
+        self.active_steps += 1
+        try:
+            result = await self.run(self._step, request)
+        finally:
+            self.active_steps -= 1
+        if result.hidden is not None:
+            # the reply travels in the dtype the request came in
+            return HopReply(activation=to_activation(result.hidden, dtype=request.activation.dtype))
+        return HopReply(token_id=result.token_id, text=result.text)
+
+    # ---- the head side: what the generation loop needs (HeadBackend) -----------------------
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.shard.eos_token_ids
+
+    @property
+    def eos_texts(self) -> set[str]:
+        tok = self.shard.tokenizer
+        return {tok.decode([i]) for i in self.shard.eos_token_ids} if tok is not None else set()
+
+    async def ensure_head(self) -> None:
+        if not self.shard.is_head_loaded:
+            await self.run(self.shard.ensure_head)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        encoded = self.shard.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.shard.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.shard.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    async def embed(self, token_ids: list[int]) -> wire.Activation:
+        dtype = self.config.wire_dtype
+        return await self.run(lambda: to_activation(self.shard.embed(token_ids), dtype=dtype))
+
+    async def local_step(self, activation: wire.Activation, *, mode, session_id, past_len, start_layer,
+                         hop_index, sampling) -> HopReply:
+        request = wire.ForwardRequest(
+            activation=activation, mode=mode, session_id=session_id, past_len=past_len,
+            start_layer=start_layer, hop_index=hop_index, sampling=sampling,
+        )
+        return await self.forward(request)
+
+    def drop_local_session(self, session_id: str) -> None:
+        self.store.drop(session_id)
+
+    # ---- routes ----------------------------------------------------------------------------
+
+    def candidates(self) -> list[Candidate]:
+        own = Candidate(
+            url=self.url, start=self.shard.start, end=self.shard.end,
+            kv_cache=self.shard.supports_kv_cache and self.config.kv_cache, local=True,
+        )
+        return [own] + self.peers.candidates()
+
+    def plan_route(self) -> list[Hop]:
+        """Plan from what is known now; remembers the route (or why there is none) for /v1/route."""
+        self.route_planned_at = time.time()
+        try:
+            self.route = plan_route(self.candidates(), self.shard.info.num_layers)
+            self.route_error = None
+        except RouteUnavailable as exc:
+            self.route, self.route_error = [], exc.message
+            raise
+        return self.route
+
+    def record_hop(self, hop: Hop, ms: float) -> None:
+        previous = self.hop_latency_ms.get(hop.url)
+        self.hop_latency_ms[hop.url] = ms if previous is None else 0.8 * previous + 0.2 * ms
+
+    # ---- what the console reads --------------------------------------------------------------
+
+    def roles(self) -> list[str]:
+        roles = ["head"]  # any node can serve chat; embeddings load on first use
+        if self.shard.is_tail:
+            roles.append("tail")
+        return roles
+
+    def status(self) -> NodeStatus:
+        info = self.shard.info
+        return NodeStatus(
+            url=self.url,
+            version=__version__,
+            model=ModelSummary(info.name, info.model_type, info.num_layers, info.hidden_size, info.fingerprint),
+            start=self.shard.start,
+            end=self.shard.end,
+            roles=self.roles(),
+            kv_cache_enabled=self.config.kv_cache,
+            supports_kv_cache=self.shard.supports_kv_cache,
+            threads=self.threads,
+            active_generations=self.active_generations,
+            active_steps=self.active_steps,
+            weights_bytes=self.shard.loaded_bytes(),
+            store=self.store.stats().to_dict(),
+            peers=self.peers.summaries(),
+            time=time.time(),
+        )
+
+    def session_list(self) -> SessionList:
+        entries = [
+            SessionInfo(e.session_id, e.past_len, e.start_layer, e.nbytes, e.created_at, e.last_used, e.expires_at)
+            for e in self.store.entries()
+        ]
+        return SessionList(time=time.time(), sessions=entries, store=self.store.stats().to_dict())
+
+    def route_info(self) -> RouteInfo:
+        hops = [
+            RouteHopInfo(h.url, h.start_layer, h.end_layer, h.kv_cache, h.local, self.hop_latency_ms.get(h.url))
+            for h in self.route
+        ]
+        return RouteInfo(hops=hops, error=self.route_error, planned_at=self.route_planned_at)

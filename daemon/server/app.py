@@ -1,0 +1,68 @@
+"""The aiohttp application factory for one node."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+from aiohttp import web
+
+from daemon.node import Node
+from daemon.server import forward, openai, status
+from daemon.server.errors import error_middleware
+from daemon.server.keys import CLIENT, NODE
+
+log = logging.getLogger(__name__)
+
+PEER_REFRESH_SECONDS = 2.0
+MAX_BODY_BYTES = 256 * 1024 * 1024
+
+
+async def _client_ctx(app: web.Application):
+    # one keep-alive connection pool for every hop and every peer poll
+    connector = aiohttp.TCPConnector(limit=64, keepalive_timeout=60)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        app[CLIENT] = session
+        yield
+
+
+async def _peer_poll_ctx(app: web.Application):
+    node = app[NODE]
+
+    async def poll() -> None:
+        while True:
+            # the next poll is scheduled only once this one finished: a slow peer stretches the cycle
+            try:
+                await node.peers.refresh(app[CLIENT])
+            except Exception:  # noqa: BLE001 - polling must outlive any one bad answer
+                log.exception("peer refresh failed")
+            await asyncio.sleep(PEER_REFRESH_SECONDS)
+
+    task = asyncio.create_task(poll())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _node_ctx(app: web.Application):
+    yield
+    app[NODE].close()
+
+
+def create_app(node: Node) -> web.Application:
+    """Build the node's application: routes, error mapping, shared client, peer polling."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[NODE] = node
+    app.cleanup_ctx.extend([_client_ctx, _peer_poll_ctx, _node_ctx])
+    app.router.add_post("/forward", forward.forward)
+    app.router.add_post("/v1/chat/completions", openai.chat_completions)
+    app.router.add_get("/v1/models", openai.models)
+    app.router.add_get("/health", status.health)
+    app.router.add_get("/v1/status", status.status)
+    app.router.add_get("/v1/sessions", status.sessions)
+    app.router.add_delete("/v1/sessions/{session_id}", status.drop_session)
+    app.router.add_get("/v1/route", status.route)
+    return app

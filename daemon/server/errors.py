@@ -1,0 +1,45 @@
+"""The one place where meshd's exceptions become HTTP statuses and OpenAI-style error bodies."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from daemon.errors import CacheMiss, MeshError
+
+log = logging.getLogger(__name__)
+
+
+def error_body(message: str, *, type: str, code: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(exc: MeshError) -> web.Response:
+    if isinstance(exc, CacheMiss):
+        # ADR-0022's shape, which heads match on: {"error": "cache_miss", "reason": ...}
+        body = {"error": "cache_miss", "reason": exc.reason, "message": exc.message}
+    else:
+        body = error_body(exc.message, type=exc.type, code=exc.code, param=exc.param)
+    return web.json_response(body, status=exc.status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Map MeshError to its status; anything unexpected is a logged 500, never a dead node."""
+    try:
+        return await handler(request)
+    except MeshError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise
+        return web.json_response(
+            error_body(exc.reason, type="invalid_request_error", code=str(exc.status)), status=exc.status
+        )
+    except Exception:  # noqa: BLE001 - the node must keep serving whatever one request did
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return web.json_response(
+            error_body("internal error; see the node's log", type="server_error", code="internal_error"),
+            status=500,
+        )

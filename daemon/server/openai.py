@@ -1,0 +1,212 @@
+"""OpenAI-compatible ``POST /v1/chat/completions`` and ``GET /v1/models``.
+
+Sampling defaults follow the model's generation config (greedy for the built-in
+model) rather than OpenAI's temperature 1.0; a request without a seed gets a
+random one, so a re-prefill mid-generation still reproduces its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from daemon.errors import BadRequest, MeshError, RouteUnavailable
+from daemon.mesh.generation import GenerationRequest, GenerationStats, HopClient, generate
+from daemon.server.errors import error_body
+from daemon.server.keys import CLIENT, NODE
+
+_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]
+    max_tokens: int
+    sampling: dict
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, name: str, lo: float, hi: float, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise BadRequest(f"{name} must be a number between {lo} and {hi}", param=name)
+    return value
+
+
+def _integer(body: dict, name: str, lo: int, hi: int, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise BadRequest(f"{name} must be an integer between {lo} and {hi}", param=name)
+    return value
+
+
+def _content_text(content, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(f"messages[{index}].content: only text parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadRequest(f"messages[{index}].content must be a string or a list of text parts", param="messages")
+
+
+def parse_chat_request(body, *, default_max_tokens: int, max_tokens_cap: int, default_sampling: dict) -> ChatRequest:
+    """Validate a chat request; every problem is a 400 that names its parameter."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    raw_messages = body.get("messages")
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise BadRequest("messages must be a non-empty list", param="messages")
+    messages = []
+    for i, m in enumerate(raw_messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise BadRequest(f"messages[{i}] needs a role, one of {list(_ROLES)}", param="messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        messages.append({"role": role, "content": _content_text(m.get("content"), i)})
+    if body.get("n", 1) != 1:
+        raise BadRequest("only n=1 is supported", param="n")
+    max_tokens = _integer(body, "max_completion_tokens", 1, max_tokens_cap, None)
+    max_tokens = _integer(body, "max_tokens", 1, max_tokens_cap, max_tokens or default_max_tokens)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop must be a string or a list of up to 4 non-empty strings", param="stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be true or false", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object", param="stream_options")
+    seed = _integer(body, "seed", -(2**63), 2**63 - 1, None)
+    sampling = {
+        "temperature": float(_number(body, "temperature", 0.0, 2.0, default_sampling.get("temperature", 0.0))),
+        "top_p": float(_number(body, "top_p", 0.0, 1.0, default_sampling.get("top_p", 1.0))),
+        "top_k": _integer(body, "top_k", 0, 1_000_000, default_sampling.get("top_k", 0)),
+        "seed": seed if seed is not None else secrets.randbits(63),
+    }
+    if sampling["top_p"] <= 0.0:
+        raise BadRequest("top_p must be greater than 0", param="top_p")
+    return ChatRequest(messages, max_tokens, sampling, stop, stream, bool(options.get("include_usage")))
+
+
+def _usage(stats: GenerationStats) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+    }
+
+
+async def _plan(request: web.Request):
+    node = request.app[NODE]
+    try:
+        return node.plan_route()
+    except RouteUnavailable:
+        await node.peers.refresh(request.app[CLIENT])  # perhaps a peer came up since the last poll
+        return node.plan_route()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    node = request.app[NODE]
+    try:
+        body = await request.json()
+    except ValueError:
+        raise BadRequest("the request body is not valid JSON") from None
+    context = getattr(node.shard.config, "max_position_embeddings", None) or 1 << 20
+    chat = parse_chat_request(
+        body,
+        default_max_tokens=node.config.max_tokens_default,
+        max_tokens_cap=context,
+        default_sampling=node.shard.default_sampling(),
+    )
+    await node.ensure_head()
+    prompt_ids = node.encode_chat(chat.messages)
+    if len(prompt_ids) >= context:
+        raise BadRequest(f"the prompt is {len(prompt_ids)} tokens; the model's context is {context}", param="messages")
+    max_tokens = min(chat.max_tokens, context - len(prompt_ids))
+    route = await _plan(request)
+    client = HopClient(request.app[CLIENT], hidden_size=node.hidden_size)
+    gen_request = GenerationRequest(prompt_ids, max_tokens, chat.sampling, chat.stop)
+    stats = GenerationStats(session_id=secrets.token_hex(12), prompt_tokens=len(prompt_ids))
+    completion_id = f"chatcmpl-{stats.session_id}"
+    created = int(time.time())
+    model = node.shard.info.name
+    events = generate(node, client, route, gen_request, stats=stats, on_hop=node.record_hop)
+    node.active_generations += 1
+    try:
+        if not chat.stream:
+            text = "".join([event.text async for event in events])
+            return web.json_response({
+                "id": completion_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": stats.finish_reason,
+                    "logprobs": None,
+                }],
+                "usage": _usage(stats),
+                "meshnet": stats.to_dict(),
+            })
+        return await _stream(request, events, stats, chat, completion_id, created, model)
+    finally:
+        node.active_generations -= 1
+
+
+async def _stream(request, events, stats, chat: ChatRequest, completion_id, created, model) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    def chunk(delta: dict, finish_reason=None, **extra) -> bytes:
+        payload = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        } | extra
+        return f"data: {json.dumps(payload)}\n\n".encode()
+
+    await response.write(chunk({"role": "assistant", "content": ""}))
+    try:
+        async for event in events:
+            if event.text:
+                await response.write(chunk({"content": event.text}))
+        await response.write(chunk({}, stats.finish_reason, meshnet=stats.to_dict()))
+        if chat.include_usage:
+            usage = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                     "model": model, "choices": [], "usage": _usage(stats)}
+            await response.write(f"data: {json.dumps(usage)}\n\n".encode())
+    except MeshError as exc:
+        # headers are gone already: the error travels as an event, as OpenAI's API does
+        err = error_body(exc.message, type=exc.type, code=exc.code, param=exc.param)
+        await response.write(f"data: {json.dumps(err)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def models(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    return web.json_response({
+        "object": "list",
+        "data": [{"id": node.shard.info.name, "object": "model", "created": 0, "owned_by": "meshnet"}],
+    })

@@ -1,0 +1,193 @@
+"""The /forward wire protocol (ADR-0022), with no torch and no HTTP framework.
+
+A request body is the raw little-endian bytes of a ``[1, T, hidden]`` activation;
+its dtype and shape travel in headers. Nothing from the network is ever
+unpickled: the bytes are only reinterpreted after their length, dtype, shape and
+layer range have been checked here.
+
+Request headers (absent means the old behaviour):
+
+==========================  ==========================================================
+``X-Meshnet-Session``       session id, one per generation (required with a cache mode)
+``X-Meshnet-Cache``         ``prefill`` or ``decode``; absent: stateless full sequence
+``X-Meshnet-Past-Len``      decode only: tokens the node's cache must already hold
+``X-Meshnet-Start-Layer``   first layer this node must run (default: its first layer)
+``X-Meshnet-Hop-Index``     position of this node on the route, for logs
+``X-Meshnet-Dtype``         ``float32`` (exact, default), ``float16`` or ``bfloat16``
+``X-Meshnet-Shape``         ``1,T,hidden``
+``X-Meshnet-Sampling``      tail only: JSON ``{"temperature", "top_p", "top_k", "seed"}``
+==========================  ==========================================================
+
+A node that does not host the last layer answers with activation bytes and the
+same dtype/shape headers; the tail answers JSON ``{"token_id": int, "text": str}``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from daemon.errors import BadRequest
+
+SESSION = "X-Meshnet-Session"
+CACHE = "X-Meshnet-Cache"
+PAST_LEN = "X-Meshnet-Past-Len"
+START_LAYER = "X-Meshnet-Start-Layer"
+HOP_INDEX = "X-Meshnet-Hop-Index"
+DTYPE = "X-Meshnet-Dtype"
+SHAPE = "X-Meshnet-Shape"
+SAMPLING = "X-Meshnet-Sampling"
+
+ACTIVATION_CONTENT_TYPE = "application/octet-stream"
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+CACHE_MODES = ("prefill", "decode")
+MAX_SEQUENCE = 1 << 20
+_SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class Activation:
+    """Raw activation bytes with their dtype and shape, validated against each other."""
+
+    dtype: str
+    shape: tuple[int, int, int]
+    data: bytes | bytearray | memoryview
+
+    def headers(self) -> dict[str, str]:
+        return {DTYPE: self.dtype, SHAPE: ",".join(map(str, self.shape))}
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    """A parsed and validated ``POST /forward``."""
+
+    activation: Activation
+    mode: str | None  # "prefill", "decode" or None (stateless)
+    session_id: str | None
+    past_len: int
+    start_layer: int
+    hop_index: int | None
+    sampling: dict = field(default_factory=dict)
+
+
+def _int_header(headers, name: str, *, minimum: int = 0, maximum: int = MAX_SEQUENCE) -> int | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    raw = raw.strip()
+    if not raw.isdigit() or len(raw) > 9:
+        raise BadRequest(f"{name} must be a non-negative integer, got {raw[:40]!r}", param=name)
+    value = int(raw)
+    if not minimum <= value <= maximum:
+        raise BadRequest(f"{name} must be between {minimum} and {maximum}, got {value}", param=name)
+    return value
+
+
+def parse_shape(raw: str | None, *, hidden_size: int) -> tuple[int, int, int]:
+    if raw is None:
+        raise BadRequest(f"missing {SHAPE} header (expected 1,T,{hidden_size})", param=SHAPE)
+    parts = raw.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and len(p.strip()) <= 9 for p in parts):
+        raise BadRequest(f"{SHAPE} must be three integers 1,T,{hidden_size}, got {raw[:60]!r}", param=SHAPE)
+    batch, seq, hidden = (int(p) for p in parts)
+    if batch != 1:
+        raise BadRequest(f"{SHAPE}: batch size must be 1, got {batch}", param=SHAPE)
+    if not 1 <= seq <= MAX_SEQUENCE:
+        raise BadRequest(f"{SHAPE}: sequence length must be at least 1, got {seq}", param=SHAPE)
+    if hidden != hidden_size:
+        raise BadRequest(f"{SHAPE}: hidden size {hidden} does not match the model's {hidden_size}", param=SHAPE)
+    return batch, seq, hidden
+
+
+def parse_activation(headers, body: bytes, *, hidden_size: int) -> Activation:
+    """Check dtype, shape and byte length of an activation body."""
+    dtype = headers.get(DTYPE, "float32").strip().lower()
+    if dtype not in DTYPE_SIZES:
+        raise BadRequest(f"{DTYPE} must be one of {sorted(DTYPE_SIZES)}, got {dtype[:40]!r}", param=DTYPE)
+    shape = parse_shape(headers.get(SHAPE), hidden_size=hidden_size)
+    expected = shape[0] * shape[1] * shape[2] * DTYPE_SIZES[dtype]
+    if len(body) != expected:
+        raise BadRequest(
+            f"body is {len(body)} bytes but {dtype} {SHAPE} {shape} needs {expected}", param="body"
+        )
+    return Activation(dtype=dtype, shape=shape, data=body)
+
+
+def parse_sampling(raw: str | None) -> dict:
+    if raw is None:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise BadRequest(f"{SAMPLING} must be a JSON object", param=SAMPLING) from None
+    if not isinstance(value, dict):
+        raise BadRequest(f"{SAMPLING} must be a JSON object", param=SAMPLING)
+    allowed = {"temperature": (int, float), "top_p": (int, float), "top_k": (int,), "seed": (int,)}
+    for key, val in value.items():
+        if key not in allowed:
+            raise BadRequest(f"{SAMPLING}: unknown field {key!r}", param=SAMPLING)
+        if isinstance(val, bool) or not isinstance(val, allowed[key]):
+            raise BadRequest(f"{SAMPLING}: {key} has the wrong type", param=SAMPLING)
+    return value
+
+
+def parse_forward(
+    headers, body: bytes, *, hidden_size: int, first_layer: int, end_layer: int
+) -> ForwardRequest:
+    """Validate every header and the body of a ``POST /forward`` before any model work."""
+    mode = headers.get(CACHE)
+    if mode is not None:
+        mode = mode.strip().lower()
+        if mode not in CACHE_MODES:
+            raise BadRequest(f"{CACHE} must be 'prefill' or 'decode', got {mode[:40]!r}", param=CACHE)
+    session_id = headers.get(SESSION)
+    if session_id is not None and not _SESSION_ID.match(session_id):
+        raise BadRequest(f"{SESSION} must be 1-128 characters of [A-Za-z0-9._:-]", param=SESSION)
+    if mode is not None and session_id is None:
+        raise BadRequest(f"{CACHE}: {mode} needs an {SESSION} header", param=SESSION)
+    past_len = _int_header(headers, PAST_LEN)
+    if mode == "decode" and past_len is None:
+        raise BadRequest(f"{CACHE}: decode needs an {PAST_LEN} header", param=PAST_LEN)
+    start_layer = _int_header(headers, START_LAYER, maximum=end_layer)
+    if start_layer is None:
+        start_layer = first_layer
+    if not first_layer <= start_layer < end_layer:
+        raise BadRequest(
+            f"{START_LAYER} {start_layer} is outside this node's layers {first_layer}-{end_layer - 1}",
+            param=START_LAYER,
+        )
+    activation = parse_activation(headers, body, hidden_size=hidden_size)
+    return ForwardRequest(
+        activation=activation,
+        mode=mode,
+        session_id=session_id,
+        past_len=past_len or 0,
+        start_layer=start_layer,
+        hop_index=_int_header(headers, HOP_INDEX, maximum=1024),
+        sampling=parse_sampling(headers.get(SAMPLING)),
+    )
+
+
+def forward_headers(
+    activation: Activation,
+    *,
+    mode: str | None,
+    session_id: str | None,
+    past_len: int,
+    start_layer: int,
+    hop_index: int,
+    sampling: dict | None = None,
+) -> dict[str, str]:
+    """Headers for one hop of a step, the client side of :func:`parse_forward`."""
+    headers = activation.headers() | {START_LAYER: str(start_layer), HOP_INDEX: str(hop_index)}
+    headers["Content-Type"] = ACTIVATION_CONTENT_TYPE
+    if session_id is not None:
+        headers[SESSION] = session_id
+    if mode is not None:
+        headers[CACHE] = mode
+    if mode == "decode":
+        headers[PAST_LEN] = str(past_len)
+    if sampling:
+        headers[SAMPLING] = json.dumps(sampling, separators=(",", ":"))
+    return headers
