@@ -54,6 +54,7 @@ _ENV = {
     "MESHNET_KV_MAX_BYTES": ("kv_max_bytes", int),
     "MESHNET_WIRE_DTYPE": ("wire_dtype", str),
     "MESHNET_LOG_LEVEL": ("log_level", str),
+    "MESHNET_MAX_TOKENS_DEFAULT": ("max_tokens_default", int),
     "MESHNET_PUBLIC_URL": ("public_url", str),
 }
 
@@ -79,6 +80,8 @@ def load_config(cli: dict, environ: os._Environ | dict = os.environ, path: Path 
         unknown = sorted(set(data) - names)
         if unknown:
             raise ConfigError(f"{path}: unknown keys {unknown}; known keys are {sorted(names)}")
+        for key, value in data.items():
+            _check_toml_type(path, key, value)
         merged.update(data)
     for var, (name, parse) in _ENV.items():
         if environ.get(var, "").strip():
@@ -93,6 +96,23 @@ def load_config(cli: dict, environ: os._Environ | dict = os.environ, path: Path 
     if config.threads is not None and config.threads < 1:
         raise ConfigError("threads must be at least 1")
     return config
+
+
+_FIELD_TYPES = {
+    "model": (str,), "layers": (str,), "host": (str,), "port": (int,), "peers": (list,), "kv_cache": (bool,),
+    "threads": (int,), "kv_ttl_seconds": (int, float), "kv_max_sessions": (int,), "kv_max_bytes": (int,),
+    "wire_dtype": (str,), "max_tokens_default": (int,), "log_level": (str,), "public_url": (str,),
+}
+
+
+def _check_toml_type(path: Path, key: str, value) -> None:
+    expected = _FIELD_TYPES[key]
+    ok = isinstance(value, expected) and (bool in expected or not isinstance(value, bool))
+    if key == "peers":
+        ok = ok and all(isinstance(p, str) for p in value)
+    if not ok:
+        names = " or ".join(t.__name__ for t in expected)
+        raise ConfigError(f"{path}: {key} must be {names}, got {value!r}")
 
 
 def default_threads(config: NodeConfig) -> int:

@@ -76,7 +76,7 @@ def _int_header(headers, name: str, *, minimum: int = 0, maximum: int = MAX_SEQU
     if raw is None:
         return None
     raw = raw.strip()
-    if not raw.isdigit() or len(raw) > 9:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:
         raise BadRequest(f"{name} must be a non-negative integer, got {raw[:40]!r}", param=name)
     value = int(raw)
     if not minimum <= value <= maximum:
@@ -88,7 +88,7 @@ def parse_shape(raw: str | None, *, hidden_size: int) -> tuple[int, int, int]:
     if raw is None:
         raise BadRequest(f"missing {SHAPE} header (expected 1,T,{hidden_size})", param=SHAPE)
     parts = raw.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() and len(p.strip()) <= 9 for p in parts):
+    if len(parts) != 3 or not all(p.strip().isascii() and p.strip().isdigit() and len(p.strip()) <= 9 for p in parts):
         raise BadRequest(f"{SHAPE} must be three integers 1,T,{hidden_size}, got {raw[:60]!r}", param=SHAPE)
     batch, seq, hidden = (int(p) for p in parts)
     if batch != 1:
@@ -129,6 +129,15 @@ def parse_sampling(raw: str | None) -> dict:
             raise BadRequest(f"{SAMPLING}: unknown field {key!r}", param=SAMPLING)
         if isinstance(val, bool) or not isinstance(val, allowed[key]):
             raise BadRequest(f"{SAMPLING}: {key} has the wrong type", param=SAMPLING)
+    # NaN fails every comparison, so each check is written to reject it
+    if "temperature" in value and not 0.0 <= value["temperature"] <= 100.0:
+        raise BadRequest(f"{SAMPLING}: temperature must be between 0 and 100", param=SAMPLING)
+    if "top_p" in value and not 0.0 < value["top_p"] <= 1.0:
+        raise BadRequest(f"{SAMPLING}: top_p must be in (0, 1]", param=SAMPLING)
+    if "top_k" in value and value["top_k"] < 0:
+        raise BadRequest(f"{SAMPLING}: top_k must be at least 0", param=SAMPLING)
+    if "seed" in value and not -(2**63) <= value["seed"] < 2**63:
+        raise BadRequest(f"{SAMPLING}: seed must fit in 64 bits", param=SAMPLING)
     return value
 
 
@@ -142,7 +151,7 @@ def parse_forward(
         if mode not in CACHE_MODES:
             raise BadRequest(f"{CACHE} must be 'prefill' or 'decode', got {mode[:40]!r}", param=CACHE)
     session_id = headers.get(SESSION)
-    if session_id is not None and not _SESSION_ID.match(session_id):
+    if session_id is not None and not _SESSION_ID.fullmatch(session_id):
         raise BadRequest(f"{SESSION} must be 1-128 characters of [A-Za-z0-9._:-]", param=SESSION)
     if mode is not None and session_id is None:
         raise BadRequest(f"{CACHE}: {mode} needs an {SESSION} header", param=SESSION)

@@ -57,6 +57,7 @@ class GenerationRequest:
     max_tokens: int
     sampling: dict  # temperature, top_p, top_k, seed: sent to the tail
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, golden tests)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class GenerationStats:
     decode_seconds: float = 0.0
     finish_reason: str | None = None
     route: list[dict] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
 
     @property
     def decode_tokens_per_second(self) -> float | None:
@@ -237,10 +239,11 @@ async def generate(
             else:
                 token_id = reply.token_id
                 generated.append(token_id)
+                stats.token_ids.append(token_id)
                 past_len = len(ids)
                 ids.append(token_id)
                 mode = "decode" if cached else None
-                done = token_id in backend.eos_token_ids
+                done = token_id in backend.eos_token_ids and not request.ignore_eos
                 delta = stream.finish() if done else stream.push(token_id)
             stats.completion_tokens = len(generated)
             now = time.perf_counter()

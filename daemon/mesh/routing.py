@@ -45,8 +45,7 @@ class Hop:
 def plan_route(candidates: list[Candidate], num_layers: int) -> list[Hop]:
     """The route with the fewest hops covering layers ``0..num_layers-1``.
 
-    Ties prefer the local node (no HTTP hop), then caching nodes, then the node
-    that reaches furthest. Raises :class:`RouteUnavailable` naming the first
+    Ties prefer the local node (no HTTP hop), then caching nodes. Raises :class:`RouteUnavailable` naming the first
     uncovered layer range.
     """
     # best[p]: the shortest chain of hops whose layers end exactly at p

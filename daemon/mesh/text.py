@@ -28,12 +28,12 @@ class TextStream:
             return ""
         self._ids.append(token_id)
         full = self._decode(self._ids)
-        if full.endswith("\ufffd"):
-            return ""
         cut = self._first_stop(full)
         if cut is not None:
             self.stopped = True
-            return self._emit(full[:cut], len(full[:cut]))
+            return self._emit(full[:cut], cut)
+        if full.endswith("\ufffd"):
+            return ""
         return self._emit(full, len(full) - self._held_suffix(full))
 
     def finish(self) -> str:
@@ -41,6 +41,10 @@ class TextStream:
         if self.stopped:
             return ""
         full = self._decode(self._ids)
+        cut = self._first_stop(full)
+        if cut is not None:
+            self.stopped = True
+            return self._emit(full[:cut], cut)
         return self._emit(full, len(full))
 
     def _emit(self, full: str, upto: int) -> str:

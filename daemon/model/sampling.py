@@ -52,6 +52,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) ->
         cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
         # drop a token once the tokens before it already reach top_p; the best token always stays
         drop_sorted = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     probs = torch.softmax(scores, dim=-1)

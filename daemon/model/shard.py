@@ -122,6 +122,7 @@ class ModelShard:
         self._load_tensors(self._wanted_parts(head=head))
         self.tokenizer = self._load_tokenizer() if (head or self.is_tail) else None
         self.eos_token_ids = self._eos_token_ids()
+        self._stats_store = sessions  # misses of a stateless node still show in its statistics
         self.sessions = sessions if kv_cache else None
         self.kv_cache_enabled = kv_cache
         self.supports_kv_cache = self._probe_kv_cache() if kv_cache else False
@@ -272,10 +273,10 @@ class ModelShard:
         """Bytes of materialised weights by part: the shard's footprint, measured, not estimated."""
         seen: set[int] = set()
         totals: dict[str, int] = {}
-        groups = {
+        groups = {  # a tied LM head counts once, as the tail's, ahead of the embeddings it shares
             "layers": [self.model.model.layers[i] for i in range(self.start, self.end)],
-            "embeddings": [self.model.model.embed_tokens],
             "final_norm_and_lm_head": [self.model.model.norm, self.model.lm_head],
+            "embeddings": [self.model.model.embed_tokens],
         }
         for name, modules in groups.items():
             total = 0
@@ -364,6 +365,8 @@ class ModelShard:
         cache = None
         if mode == "decode":
             if self.sessions is None:
+                if self._stats_store is not None:
+                    self._stats_store.record_miss("cache_disabled")
                 raise CacheMiss("cache_disabled", "this node runs stateless; prefill instead")
             cache = self.sessions.checkout(session_id, past_len=past_len, start_layer=start_layer).cache
         elif mode == "prefill":

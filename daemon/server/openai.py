@@ -30,6 +30,7 @@ class ChatRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default):
@@ -100,9 +101,12 @@ def parse_chat_request(body, *, default_max_tokens: int, max_tokens_cap: int, de
         "top_k": _integer(body, "top_k", 0, 1_000_000, default_sampling.get("top_k", 0)),
         "seed": seed if seed is not None else secrets.randbits(63),
     }
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("ignore_eos must be true or false", param="ignore_eos")
     if sampling["top_p"] <= 0.0:
         raise BadRequest("top_p must be greater than 0", param="top_p")
-    return ChatRequest(messages, max_tokens, sampling, stop, stream, bool(options.get("include_usage")))
+    return ChatRequest(messages, max_tokens, sampling, stop, stream, bool(options.get("include_usage")), ignore_eos)
 
 
 def _usage(stats: GenerationStats) -> dict:
@@ -142,7 +146,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = min(chat.max_tokens, context - len(prompt_ids))
     route = await _plan(request)
     client = HopClient(request.app[CLIENT], hidden_size=node.hidden_size)
-    gen_request = GenerationRequest(prompt_ids, max_tokens, chat.sampling, chat.stop)
+    gen_request = GenerationRequest(prompt_ids, max_tokens, chat.sampling, chat.stop, chat.ignore_eos)
     stats = GenerationStats(session_id=secrets.token_hex(12), prompt_tokens=len(prompt_ids))
     completion_id = f"chatcmpl-{stats.session_id}"
     created = int(time.time())
