@@ -1,0 +1,69 @@
+"""Shared fixtures: the built-in model (fetched and converted once per machine) and its reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# the test process computes references with torch next to daemons: never let them fight for cores
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The built-in SmolLM2-135M-Instruct as a safetensors folder (cached in the user cache)."""
+    from daemon.model.source import resolve_model
+
+    return resolve_model(None, progress=lambda line: print(f"[model] {line}"))
+
+
+@pytest.fixture(scope="session")
+def reference_model(default_model):
+    """The whole model in this process, as transformers loads it: the reference for every golden test."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def reference_tokens(reference_model):
+    """``reference_tokens(messages, n, ignore_eos)`` -> greedy token ids from ``model.generate``."""
+    import torch
+
+    model, tokenizer = reference_model
+    memo: dict = {}
+
+    def generate(messages: list[dict], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+        key = (repr(messages), max_new_tokens, ignore_eos)
+        if key not in memo:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            extra = {"eos_token_id": None} if ignore_eos else {}
+            with torch.inference_mode():
+                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                     attention_mask=torch.ones_like(ids), **extra)
+            memo[key] = out[0, ids.shape[1]:].tolist()
+        return memo[key]
+
+    return generate
+
+
+@pytest.fixture(scope="session")
+def tiny_model(default_model, tmp_path_factory):
+    """``tiny_model(arch)`` -> folder of a tiny random-weight model of that architecture (built once)."""
+    from tests.tiny_models import build_tiny_model
+
+    built: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = build_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"), default_model)
+        return built[arch]
+
+    return make

@@ -1,0 +1,112 @@
+"""Helpers for tests that start real meshd processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 300.0) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+class Daemon:
+    """One ``meshd`` process on 127.0.0.1, stopped by :meth:`stop`."""
+
+    def __init__(self, model: Path | str, layers: str, *, peers: list["Daemon"] = (), extra: list[str] = (),
+                 env: dict | None = None, threads: int = 1, log_dir: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.layers = layers
+        argv = [sys.executable, "-m", "daemon.cli", "--model", str(model), "--layers", layers,
+                "--port", str(self.port), "--threads", str(threads), *extra]
+        for peer in peers:
+            argv += ["--peer", peer.url]
+        self.log_path = (log_dir or Path("/tmp")) / f"meshd-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {}))
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 180.0) -> "Daemon":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"meshd {self.layers} exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                status, _ = http_json("GET", self.url + "/health", timeout=2)
+                if status == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"meshd {self.layers} not ready after {timeout} s:\n{self.log()}")
+
+    def wait_peers(self, count: int, timeout: float = 30.0) -> None:
+        """Wait until this node sees ``count`` peers up (peers are polled every 2 s)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            _, status = http_json("GET", self.url + "/v1/status")
+            if sum(p["up"] for p in status["peers"]) >= count:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.url} sees fewer than {count} peers up: {status['peers']}")
+
+    def get(self, path: str) -> dict:
+        status, body = http_json("GET", self.url + path)
+        assert status == 200, (status, body)
+        return body
+
+    def chat(self, body: dict, timeout: float = 600.0) -> tuple[int, dict]:
+        return http_json("POST", self.url + "/v1/chat/completions", body, timeout=timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def start_mesh(model, specs: list[tuple[str, list[str]]], *, log_dir=None, env=None) -> list[Daemon]:
+    """Start tail-first so each node can name the ones after it as peers; the first is the head."""
+    daemons: list[Daemon] = []
+    try:
+        workers = [Daemon(model, layers, extra=extra, log_dir=log_dir, env=env) for layers, extra in specs[1:]]
+        daemons.extend(workers)
+        head_layers, head_extra = specs[0]
+        head = Daemon(model, head_layers, peers=workers, extra=head_extra, log_dir=log_dir, env=env)
+        daemons.insert(0, head)
+        for d in daemons:
+            d.wait_ready()
+        head.wait_peers(len(workers))
+    except BaseException:
+        for d in daemons:
+            d.stop()
+        raise
+    return daemons

@@ -1,0 +1,159 @@
+"""Golden tests: a real mesh of meshd processes on 127.0.0.1 splitting SmolLM2-135M-Instruct must
+produce exactly the tokens of transformers' own ``generate`` in one process."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import pytest
+
+from tests.meshtest import Daemon, http_json, start_mesh
+
+PROMPTS = [
+    [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "Explain how a hash map works, step by step."}],
+    [{"role": "user", "content": "List ten fruits and one fact about each."}],
+]
+NEW_TOKENS = 128
+
+
+def chat(head: Daemon, messages, max_tokens=NEW_TOKENS, **extra) -> dict:
+    status, body = head.chat({"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                              "ignore_eos": True, **extra})
+    assert status == 200, body
+    return body
+
+
+@pytest.fixture(scope="module")
+def two_nodes(default_model, tmp_path_factory):
+    mesh = start_mesh(default_model, [("0-14", []), ("15-29", [])], log_dir=tmp_path_factory.mktemp("logs"))
+    yield mesh
+    for d in mesh:
+        d.stop()
+
+
+@pytest.mark.parametrize("prompt", range(len(PROMPTS)))
+def test_two_node_cached_mesh_matches_generate(two_nodes, reference_tokens, prompt):
+    head, tail = two_nodes
+    body = chat(head, PROMPTS[prompt])
+    stats = body["meshnet"]
+    assert stats["token_ids"] == reference_tokens(PROMPTS[prompt], NEW_TOKENS, ignore_eos=True)
+    assert len(stats["token_ids"]) == NEW_TOKENS
+    assert stats["prefills"] == 1 and stats["reprefills"] == 0 and stats["stateless_steps"] == 0
+    assert [h["start_layer"] for h in stats["route"]] == [0, 15]
+    # the tail kept a session for its layers; the head dropped its own at the end
+    assert any(s["past_len"] == body["usage"]["prompt_tokens"] + NEW_TOKENS - 1
+               for s in tail.get("/v1/sessions")["sessions"])
+    assert stats["session_id"] not in {s["session_id"] for s in head.get("/v1/sessions")["sessions"]}
+
+
+def test_mesh_stops_at_eos_like_generate(two_nodes, reference_tokens):
+    head, _ = two_nodes
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    status, body = head.chat({"messages": messages, "max_tokens": 64, "temperature": 0})
+    assert status == 200, body
+    expected = reference_tokens(messages, 64)
+    assert expected[-1] == 2, "the reference should end with <|im_end|> for this prompt"
+    assert body["meshnet"]["token_ids"] == expected
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert "Paris" in body["choices"][0]["message"]["content"]
+
+
+def test_eviction_mid_generation_costs_one_reprefill(two_nodes, reference_tokens):
+    """Drop the tail's session while a stream runs: one re-prefill, then identical tokens."""
+    head, tail = two_nodes
+    messages = PROMPTS[0]
+    request = urllib.request.Request(
+        head.url + "/v1/chat/completions",
+        data=json.dumps({"messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0,
+                         "ignore_eos": True, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    chunks, evicted = [], threading.Event()
+    with urllib.request.urlopen(request, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunks.append(json.loads(line[6:]))
+            if len(chunks) == 20 and not evicted.is_set():
+                sessions = tail.get("/v1/sessions")["sessions"]
+                assert sessions, "the tail should hold the running session"
+                for s in sessions:
+                    assert http_json("DELETE", f"{tail.url}/v1/sessions/{s['session_id']}")[0] == 200
+                evicted.set()
+    final = next(c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
+    stats = final["meshnet"]
+    assert evicted.is_set()
+    assert stats["cache_misses"] == 1 and stats["reprefills"] == 1
+    assert stats["token_ids"] == reference_tokens(messages, NEW_TOKENS, ignore_eos=True)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) \
+        == final_text(head, messages)
+
+
+def final_text(head: Daemon, messages) -> str:
+    return chat(head, messages)["choices"][0]["message"]["content"]
+
+
+def test_stateless_node_matches_generate(default_model, reference_tokens, tmp_path):
+    mesh = start_mesh(default_model, [("0-14", []), ("15-29", ["--no-kv-cache"])], log_dir=tmp_path)
+    try:
+        head, tail = mesh
+        assert tail.get("/v1/status")["kv_cache_enabled"] is False
+        body = chat(head, PROMPTS[1])
+        stats = body["meshnet"]
+        assert stats["token_ids"] == reference_tokens(PROMPTS[1], NEW_TOKENS, ignore_eos=True)
+        assert stats["stateless_steps"] == NEW_TOKENS and stats["prefills"] == 0
+        assert tail.get("/v1/sessions")["sessions"] == []
+    finally:
+        for d in mesh:
+            d.stop()
+
+
+def test_three_overlapping_nodes_match_generate(default_model, reference_tokens, tmp_path):
+    mesh = start_mesh(default_model, [("0-14", []), ("10-24", []), ("20-29", [])], log_dir=tmp_path)
+    try:
+        head = mesh[0]
+        body = chat(head, PROMPTS[2])
+        stats = body["meshnet"]
+        assert [(h["start_layer"], h["end_layer"]) for h in stats["route"]] == [(0, 15), (15, 25), (25, 30)]
+        assert stats["token_ids"] == reference_tokens(PROMPTS[2], NEW_TOKENS, ignore_eos=True)
+    finally:
+        for d in mesh:
+            d.stop()
+
+
+def test_legacy_tail_without_token_ids_prefills_every_step(default_model, reference_model, reference_tokens,
+                                                          tmp_path):
+    """A tail from before ADR-0022 answers text only: the head re-tokenizes and prefills each step."""
+    _, tokenizer = reference_model
+    messages = [{"role": "user", "content": "Name three colours."}]
+    tail = Daemon(default_model, "15-29", env={"MESHNET_TEST_LEGACY_TAIL": "1"}, log_dir=tmp_path)
+    head = Daemon(default_model, "0-14", peers=[tail], log_dir=tmp_path)
+    try:
+        tail.wait_ready(), head.wait_ready(), head.wait_peers(1)
+        status, body = head.chat({"messages": messages, "max_tokens": 24, "temperature": 0})
+        assert status == 200, body
+        stats = body["meshnet"]
+        assert stats["prefills"] == stats["completion_tokens"] > 1
+        expected = tokenizer.decode(reference_tokens(messages, 24), skip_special_tokens=True)
+        assert body["choices"][0]["message"]["content"] == expected
+    finally:
+        head.stop(), tail.stop()
+
+
+def test_half_the_layers_hold_half_the_layer_weights(two_nodes, reference_model):
+    model, _ = reference_model
+    full_layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    head, tail = (d.get("/v1/status")["weights_bytes"] for d in two_nodes)
+    assert head["layers"] == pytest.approx(full_layer_bytes / 2, rel=0.01)
+    assert tail["layers"] == pytest.approx(full_layer_bytes / 2, rel=0.01)
+    embed_bytes = model.model.embed_tokens.weight.numel() * 4
+    assert head["embeddings"] == embed_bytes  # the head embeds prompts
+    assert tail["final_norm_and_lm_head"] >= embed_bytes  # tied LM head
+    for d in two_nodes:
+        rss_kb = int(next(line.split()[1] for line in open(f"/proc/{d.proc.pid}/status") if line.startswith("VmRSS")))
+        print(f"meshd {d.layers}: layers {d.get('/v1/status')['weights_bytes']}, RSS {rss_kb / 1024:.0f} MiB")
