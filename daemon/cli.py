@@ -20,7 +20,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meshd",
         description="A meshnet node: hosts a range of a model's decoder layers and serves /forward "
-        "and an OpenAI-compatible chat API. `meshd fetch-model` fetches the built-in model ahead of time.",
+        "and an OpenAI-compatible chat API. `meshd fetch-model` fetches the built-in model ahead of time; "
+        "`meshd bench` measures the mesh against single-process generate.",
         epilog=f"Precedence: command line, then MESHNET_* environment, then {default_config_path()}, then defaults.",
     )
     p.add_argument("--version", action="version", version=f"meshd {__version__}")
@@ -132,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["fetch-model"]:
         return fetch_model(argv[1:])
+    if argv[:1] == ["bench"]:
+        from daemon.bench import main as bench
+
+        return bench(argv[1:])
     return serve(argv)
 
 

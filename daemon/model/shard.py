@@ -11,6 +11,7 @@ weight conversion, so checkpoints whose layout differs from the module layout
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import re
@@ -119,6 +120,8 @@ class ModelShard:
             )
         self._head_lock = threading.Lock()
         self.model = self._build_skeleton()
+        rotary_params = inspect.signature(self.model.model.rotary_emb.forward).parameters
+        self._rotary_per_type = "layer_type" in rotary_params
         self._load_tensors(self._wanted_parts(head=head))
         self.tokenizer = self._load_tokenizer() if (head or self.is_tail) else None
         self.eos_token_ids = self._eos_token_ids()
@@ -326,25 +329,37 @@ class ModelShard:
                     position_ids=position_ids,
                     layer_idx=i,
                 )
-        position_embeddings = self.model.model.rotary_emb(hidden, position_ids)
+        position_embeddings = self._rotary(hidden, position_ids, {self.layer_types[i] for i in hosted})
         layers = self.model.model.layers
-        use_cache = cache is not None
+        # stateless calls pass no cache arguments at all: layers that reject them still run
+        cache_kwargs = {"cache": cache, "use_cache": True} if cache is not None else {}
         for i in hosted:
             hidden = layers[i](
                 hidden,
                 attention_mask=masks[self.layer_types[i]],
                 position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-                position_embeddings=position_embeddings,
+                position_embeddings=position_embeddings[self.layer_types[i]],
+                **cache_kwargs,
             )
         return hidden
+
+    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, layer_types: set[str]) -> dict:
+        """Rotary embeddings once per call, per layer type where the model has one per type (Gemma 3)."""
+        rotary = self.model.model.rotary_emb
+        if self._rotary_per_type:
+            return {t: rotary(hidden, position_ids, t) for t in layer_types}
+        shared = rotary(hidden, position_ids)
+        return dict.fromkeys(layer_types, shared)
 
     @torch.inference_mode()
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the last position only: logits ``[vocab]``."""
         last = self.model.model.norm(hidden[:, -1:, :])
-        return self.model.lm_head(last)[0, -1].float()
+        logits = self.model.lm_head(last)[0, -1].float()
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:  # Gemma-family models squash logits in their own forward; sampling must see the same
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def step(
         self,
@@ -390,6 +405,10 @@ class ModelShard:
     def _probe_kv_cache(self) -> bool:
         """Check once that the layers take and fill a cache; models that ignore it run stateless."""
         hidden = torch.zeros(1, 2, self.info.hidden_size, dtype=self.dtype)
+        try:  # a failure without a cache is the architecture's, not the cache arguments'
+            self.run_layers(hidden, start_layer=self.start, past_len=0, cache=None)
+        except Exception as exc:  # noqa: BLE001 - whatever breaks, the user needs the same message
+            raise ModelUnavailable(f"unsupported architecture {self.info.model_type!r}: {exc}") from None
         cache = self.new_cache()
         try:
             self.run_layers(hidden, start_layer=self.start, past_len=0, cache=cache)
