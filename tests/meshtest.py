@@ -34,14 +34,15 @@ class Daemon:
     """One ``meshd`` process on 127.0.0.1, stopped by :meth:`stop`."""
 
     def __init__(self, model: Path | str, layers: str, *, peers: list["Daemon"] = (), extra: list[str] = (),
-                 env: dict | None = None, threads: int = 1, log_dir: Path | None = None) -> None:
-        self.port = free_port()
+                 env: dict | None = None, threads: int = 1, log_dir: Path | None = None,
+                 port: int | None = None, peer_urls: list[str] = ()) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.layers = layers
         argv = [sys.executable, "-m", "daemon.cli", "--model", str(model), "--layers", layers,
                 "--port", str(self.port), "--threads", str(threads), *extra]
-        for peer in peers:
-            argv += ["--peer", peer.url]
+        for url in [p.url for p in peers] + list(peer_urls):
+            argv += ["--peer", url]
         self.log_path = (log_dir or Path("/tmp")) / f"meshd-{self.port}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
@@ -94,17 +95,18 @@ class Daemon:
 
 
 def start_mesh(model, specs: list[tuple[str, list[str]]], *, log_dir=None, env=None) -> list[Daemon]:
-    """Start tail-first so each node can name the ones after it as peers; the first is the head."""
+    """Start one node per ``(layers, extra args)``, each knowing all the others; the first is the head."""
     daemons: list[Daemon] = []
+    ports = [free_port() for _ in specs]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
-        workers = [Daemon(model, layers, extra=extra, log_dir=log_dir, env=env) for layers, extra in specs[1:]]
-        daemons.extend(workers)
-        head_layers, head_extra = specs[0]
-        head = Daemon(model, head_layers, peers=workers, extra=head_extra, log_dir=log_dir, env=env)
-        daemons.insert(0, head)
+        for i, ((layers, extra), port) in enumerate(zip(specs, ports)):
+            others = urls[:i] + urls[i + 1:]
+            daemons.append(Daemon(model, layers, extra=extra, log_dir=log_dir, env=env, port=port, peer_urls=others))
         for d in daemons:
             d.wait_ready()
-        head.wait_peers(len(workers))
+        for d in daemons:
+            d.wait_peers(len(daemons) - 1)
     except BaseException:
         for d in daemons:
             d.stop()

@@ -50,6 +50,15 @@ def test_two_node_cached_mesh_matches_generate(two_nodes, reference_tokens, prom
     assert stats["session_id"] not in {s["session_id"] for s in head.get("/v1/sessions")["sessions"]}
 
 
+def test_any_node_serves_chat(two_nodes, reference_tokens):
+    """The tail can be the head too: it embeds, sends layers 0-14 to its peer, and runs 15-29 itself."""
+    _, tail = two_nodes
+    body = chat(tail, PROMPTS[2], max_tokens=32)
+    stats = body["meshnet"]
+    assert [(h["start_layer"], h["local"]) for h in stats["route"]] == [(0, False), (15, True)]
+    assert stats["token_ids"] == reference_tokens(PROMPTS[2], NEW_TOKENS, ignore_eos=True)[:32]
+
+
 def test_mesh_stops_at_eos_like_generate(two_nodes, reference_tokens):
     head, _ = two_nodes
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]

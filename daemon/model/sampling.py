@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 _MASK64 = (1 << 63) - 1
+# below this, logits / temperature overflows: such a temperature means greedy
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     def to_dict(self) -> dict:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}

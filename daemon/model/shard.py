@@ -390,17 +390,24 @@ class ModelShard:
                 cache = self.new_cache()
         else:
             past_len = 0
-        out = self.run_layers(hidden, start_layer=start_layer, past_len=past_len, cache=cache)
         new_len = past_len + hidden.shape[1]
+        try:
+            out = self.run_layers(hidden, start_layer=start_layer, past_len=past_len, cache=cache)
+            result = StepResult(hidden=out)
+            if self.is_tail:
+                token_id = sample_token(self.logits_last(out), sampling, position=new_len)
+                result = StepResult(token_id=token_id, text=self.tokenizer.decode([token_id]))
+        except BaseException:
+            if mode == "decode":  # the cache may hold part of this step now: a later decode must miss
+                self.sessions.drop(session_id)
+            raise
+        # only a step that fully succeeded advances the session (the head retries from what it knows)
         if cache is not None:
             if mode == "prefill":
                 self.sessions.put(session_id, cache, past_len=new_len, start_layer=start_layer, nbytes=cache_nbytes(cache))
             else:
                 self.sessions.commit(session_id, past_len=new_len, nbytes=cache_nbytes(cache))
-        if not self.is_tail:
-            return StepResult(hidden=out)
-        token_id = sample_token(self.logits_last(out), sampling, position=new_len)
-        return StepResult(token_id=token_id, text=self.tokenizer.decode([token_id]))
+        return result
 
     def _probe_kv_cache(self) -> bool:
         """Check once that the layers take and fill a cache; models that ignore it run stateless."""

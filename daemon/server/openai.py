@@ -77,7 +77,7 @@ def parse_chat_request(body, *, default_max_tokens: int, max_tokens_cap: int, de
             raise BadRequest(f"messages[{i}] needs a role, one of {list(_ROLES)}", param="messages")
         role = "system" if m["role"] == "developer" else m["role"]
         messages.append({"role": role, "content": _content_text(m.get("content"), i)})
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise BadRequest("only n=1 is supported", param="n")
     max_tokens = _integer(body, "max_completion_tokens", 1, max_tokens_cap, None)
     max_tokens = _integer(body, "max_tokens", 1, max_tokens_cap, max_tokens or default_max_tokens)
@@ -88,7 +88,8 @@ def parse_chat_request(body, *, default_max_tokens: int, max_tokens_cap: int, de
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop must be a string or a list of up to 4 non-empty strings", param="stop")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise BadRequest("stream must be true or false", param="stream")
     options = body.get("stream_options") or {}
@@ -101,7 +102,8 @@ def parse_chat_request(body, *, default_max_tokens: int, max_tokens_cap: int, de
         "top_k": _integer(body, "top_k", 0, 1_000_000, default_sampling.get("top_k", 0)),
         "seed": seed if seed is not None else secrets.randbits(63),
     }
-    ignore_eos = body.get("ignore_eos", False)
+    ignore_eos = body.get("ignore_eos")
+    ignore_eos = False if ignore_eos is None else ignore_eos
     if not isinstance(ignore_eos, bool):
         raise BadRequest("ignore_eos must be true or false", param="ignore_eos")
     if sampling["top_p"] <= 0.0:
