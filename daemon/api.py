@@ -74,7 +74,7 @@ class NodeStatus:
         return asdict(self) | {"layers": self.layers}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "NodeStatus":
+    def from_dict(cls, data: dict[str, Any]) -> NodeStatus:
         data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         data["model"] = ModelSummary(**data["model"])
         data["peers"] = [PeerSummary(**p) for p in data.get("peers", [])]
@@ -104,7 +104,7 @@ class SessionList:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SessionList":
+    def from_dict(cls, data: dict[str, Any]) -> SessionList:
         return cls(
             time=data["time"],
             sessions=[SessionInfo(**s) for s in data.get("sessions", [])],
@@ -134,7 +134,7 @@ class RouteInfo:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RouteInfo":
+    def from_dict(cls, data: dict[str, Any]) -> RouteInfo:
         return cls(
             hops=[RouteHopInfo(**h) for h in data.get("hops", [])],
             error=data.get("error"),

@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="bench-results/bench.json", help="where to write the results")
     args = parser.parse_args(argv)
 
-    from daemon.model.source import resolve_model
     from daemon.model.shard import read_model_info
+    from daemon.model.source import resolve_model
 
     folder = resolve_model(args.model, progress=_say)
     n = read_model_info(folder).num_layers

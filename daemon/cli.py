@@ -107,7 +107,9 @@ def serve(argv: list[str]) -> int:
         folder = resolve_model(config.model, progress=_say)
         info = read_model_info(folder)
         try:
-            start, end = parse_layers(config.layers, num_layers=info.num_layers) if config.layers else (0, info.num_layers)
+            start, end = (0, info.num_layers)
+            if config.layers:
+                start, end = parse_layers(config.layers, num_layers=info.num_layers)
         except ValueError as exc:
             return _fail(f"--layers: {exc}", 2)
         _say(f"loading layers {format_layers(start, end)} of {info.name} ({info.num_layers} layers) "

@@ -49,7 +49,7 @@ class Node:
         self.hop_latency_ms: dict[str, float] = {}
 
     @classmethod
-    def load(cls, config: NodeConfig, folder: Path, start: int, end: int, threads: int) -> "Node":
+    def load(cls, config: NodeConfig, folder: Path, start: int, end: int, threads: int) -> Node:
         """Load the shard (blocking). ``[start, end)`` is half-open."""
         torch.set_num_threads(threads)
         store = SessionCacheStore(

@@ -33,7 +33,7 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
 class Daemon:
     """One ``meshd`` process on 127.0.0.1, stopped by :meth:`stop`."""
 
-    def __init__(self, model: Path | str, layers: str, *, peers: list["Daemon"] = (), extra: list[str] = (),
+    def __init__(self, model: Path | str, layers: str, *, peers: list[Daemon] = (), extra: list[str] = (),
                  env: dict | None = None, threads: int = 1, log_dir: Path | None = None,
                  port: int | None = None, peer_urls: list[str] = ()) -> None:
         self.port = port or free_port()
@@ -51,7 +51,7 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 180.0) -> "Daemon":
+    def wait_ready(self, timeout: float = 180.0) -> Daemon:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -10,8 +10,7 @@ non-empty cache), the case that breaks when a shard builds masks or reads length
 from __future__ import annotations
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from daemon.errors import CacheMiss  # noqa: E402
 from daemon.kvstore import SessionCacheStore  # noqa: E402

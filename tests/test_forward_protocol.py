@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import pytest
+import torch
 
 from tests.meshtest import Daemon, start_mesh
 
-torch = pytest.importorskip("torch")
-
 HIDDEN = 64
+# the header names are spelled out here, not imported from daemon.wire: renaming one breaks the protocol
 SESSION = "X-Meshnet-Session"
 CACHE = "X-Meshnet-Cache"
 PAST_LEN = "X-Meshnet-Past-Len"

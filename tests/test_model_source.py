@@ -12,7 +12,6 @@ import json
 import sys
 import threading
 import time
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 

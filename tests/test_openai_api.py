@@ -11,12 +11,11 @@ import http.client
 import json
 from urllib.parse import urlsplit
 
+import openai
 import pytest
+import torch
 
 from tests.meshtest import start_mesh
-
-openai = pytest.importorskip("openai")
-torch = pytest.importorskip("torch")
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}

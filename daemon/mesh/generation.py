@@ -108,16 +108,18 @@ class HopClient:
                 body = await resp.read()
                 if resp.status == 409:
                     info = _json_or_empty(body)
-                    raise CacheMiss(info.get("reason", "unknown_session"), info.get("message", f"{hop.url}: cache miss"))
+                    reason = info.get("reason", "unknown_session")
+                    raise CacheMiss(reason, info.get("message", f"{hop.url}: cache miss ({reason})"))
                 if resp.status != 200:
                     message = _json_or_empty(body).get("error", {})
                     message = message.get("message") if isinstance(message, dict) else message
                     raise UpstreamError(f"{hop.url} answered {resp.status}: {message or body[:200]!r}")
                 if resp.content_type == wire.ACTIVATION_CONTENT_TYPE:
                     try:
-                        return HopReply(activation=wire.parse_activation(resp.headers, body, hidden_size=self._hidden_size))
+                        activation = wire.parse_activation(resp.headers, body, hidden_size=self._hidden_size)
                     except BadRequest as exc:
                         raise UpstreamError(f"{hop.url} sent a malformed activation: {exc.message}") from None
+                    return HopReply(activation=activation)
                 reply = _json_or_empty(body)
                 if "text" not in reply and "token_id" not in reply:
                     raise UpstreamError(f"{hop.url} sent neither activations nor a token")

@@ -202,7 +202,8 @@ class ModelShard:
         # transformers' own loader: renames and fuses checkpoint tensors (MoE experts, qkv) as from_pretrained does
         info, _ = convert_and_load_state_dict_in_model(self.model, state_dict, config)
         if info.conversion_errors or info.error_msgs:
-            raise ModelUnavailable(f"could not load weights from {self.folder}: {info.conversion_errors or info.error_msgs}")
+            problems = info.conversion_errors or info.error_msgs
+            raise ModelUnavailable(f"could not load weights from {self.folder}: {problems}")
         del handles, state_dict
         if "lm_head" in parts and self.model.lm_head.weight.device.type == "meta":
             self.model.lm_head.weight = self.model.model.embed_tokens.weight  # tied embeddings
@@ -404,7 +405,8 @@ class ModelShard:
         # only a step that fully succeeded advances the session (the head retries from what it knows)
         if cache is not None:
             if mode == "prefill":
-                self.sessions.put(session_id, cache, past_len=new_len, start_layer=start_layer, nbytes=cache_nbytes(cache))
+                self.sessions.put(session_id, cache, past_len=new_len, start_layer=start_layer,
+                                  nbytes=cache_nbytes(cache))
             else:
                 self.sessions.commit(session_id, past_len=new_len, nbytes=cache_nbytes(cache))
         return result

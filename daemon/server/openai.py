@@ -7,6 +7,7 @@ random one, so a re-prefill mid-generation still reproduces its tokens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import time
@@ -155,26 +156,32 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = node.shard.info.name
     events = generate(node, client, route, gen_request, stats=stats, on_hop=node.record_hop)
     node.active_generations += 1
-    try:
-        if not chat.stream:
-            text = "".join([event.text async for event in events])
-            return web.json_response({
-                "id": completion_id,
-                "object": "chat.completion",
-                "created": created,
-                "model": model,
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": stats.finish_reason,
-                    "logprobs": None,
-                }],
-                "usage": _usage(stats),
-                "meshnet": stats.to_dict(),
-            })
+    # aclosing: a client that goes away mid-stream still ends the generation and drops its session now
+    async with contextlib.aclosing(events):
+        try:
+            return await _respond(request, events, stats, chat, completion_id, created, model)
+        finally:
+            node.active_generations -= 1
+
+
+async def _respond(request, events, stats, chat: ChatRequest, completion_id, created, model) -> web.StreamResponse:
+    if chat.stream:
         return await _stream(request, events, stats, chat, completion_id, created, model)
-    finally:
-        node.active_generations -= 1
+    text = "".join([event.text async for event in events])
+    return web.json_response({
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": stats.finish_reason,
+            "logprobs": None,
+        }],
+        "usage": _usage(stats),
+        "meshnet": stats.to_dict(),
+    })
 
 
 async def _stream(request, events, stats, chat: ChatRequest, completion_id, created, model) -> web.StreamResponse:
