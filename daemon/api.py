@@ -65,6 +65,11 @@ class NodeStatus:
     store: dict[str, Any]
     peers: list[PeerSummary]
     time: float
+    started_at: float = 0.0
+    steps_served: int = 0  # /forward steps run here, for any head: a node's load over time
+    tokens_served: int = 0  # token positions those steps ran through this node's layers
+    generations: int = 0  # generations this node ran as head
+    tokens_generated: int = 0  # tokens those generations produced
 
     @property
     def layers(self) -> str:

@@ -96,7 +96,8 @@ class Mesh:
         _post(self.head + "/v1/chat/completions", body | {"max_tokens": 4})  # warm-up
         stats = _post(self.head + "/v1/chat/completions", body)["meshnet"]
         # a stateless mesh has no prefill step: its first token's time is the prefill
-        return {"prefill_ms": stats["prefill_ms"] or stats["first_token_ms"], "decode_tps": stats["decode_tokens_per_second"],
+        return {"prefill_ms": stats["prefill_ms"] or stats["first_token_ms"],
+                "decode_tps": stats["decode_tokens_per_second"],
                 "tokens": stats["completion_tokens"], "reprefills": stats["reprefills"]}
 
     def stop(self) -> None:

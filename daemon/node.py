@@ -43,6 +43,11 @@ class Node:
         self.peers = PeerDirectory(config.peers, self_url=self.url, fingerprint=shard.info.fingerprint)
         self.active_generations = 0
         self.active_steps = 0
+        self.started_at = time.time()
+        self.steps_served = 0
+        self.tokens_served = 0
+        self.generations = 0
+        self.tokens_generated = 0
         self.route: list[Hop] = []
         self.route_error: str | None = None
         self.route_planned_at: float | None = None
@@ -86,6 +91,8 @@ class Node:
             result = await self.run(self._step, request)
         finally:
             self.active_steps -= 1
+        self.steps_served += 1
+        self.tokens_served += request.activation.shape[1]
         if result.hidden is not None:
             # the reply travels in the dtype the request came in
             return HopReply(activation=to_activation(result.hidden, dtype=request.activation.dtype))
@@ -181,6 +188,11 @@ class Node:
             store=self.store.stats().to_dict(),
             peers=self.peers.summaries(),
             time=time.time(),
+            started_at=self.started_at,
+            steps_served=self.steps_served,
+            tokens_served=self.tokens_served,
+            generations=self.generations,
+            tokens_generated=self.tokens_generated,
         )
 
     def session_list(self) -> SessionList:

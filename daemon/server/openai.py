@@ -162,6 +162,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             return await _respond(request, events, stats, chat, completion_id, created, model)
         finally:
             node.active_generations -= 1
+            node.generations += 1
+            node.tokens_generated += stats.completion_tokens
 
 
 async def _respond(request, events, stats, chat: ChatRequest, completion_id, created, model) -> web.StreamResponse:
