@@ -47,6 +47,9 @@ class PeerSummary:
     last_seen: float | None = None
     error: str | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
 
 @dataclass
 class NodeStatus:

@@ -52,6 +52,9 @@ class PeerDirectory:
         if url != self.self_url and url not in self.peers:
             self.peers[url] = PeerState(url)
 
+    def remove(self, url: str) -> bool:
+        return self.peers.pop(normalize_url(url), None) is not None
+
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         """Ask every peer for its status at once; a peer that does not answer is down."""
         await asyncio.gather(*(self._refresh_one(session, p) for p in list(self.peers.values())))

@@ -65,4 +65,6 @@ def create_app(node: Node) -> web.Application:
     app.router.add_get("/v1/sessions", status.sessions)
     app.router.add_delete("/v1/sessions/{session_id}", status.drop_session)
     app.router.add_get("/v1/route", status.route)
+    app.router.add_post("/v1/peers", status.add_peer)
+    app.router.add_delete("/v1/peers", status.remove_peer)
     return app

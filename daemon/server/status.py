@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from daemon.errors import NotFound
-from daemon.server.keys import NODE
+from daemon.errors import BadRequest, NotFound
+from daemon.server.keys import CLIENT, NODE
 
 
 async def health(request: web.Request) -> web.Response:
@@ -36,3 +36,29 @@ async def route(request: web.Request) -> web.Response:
         except Exception:  # noqa: BLE001 - the error is reported in the body
             pass
     return web.json_response(node.route_info().to_dict())
+
+
+def _peer_url(value) -> str:
+    if not isinstance(value, str) or not value.strip().startswith(("http://", "https://")) or len(value) > 2048:
+        raise BadRequest("url must be an http:// or https:// address", param="url")
+    return value.strip()
+
+
+async def add_peer(request: web.Request) -> web.Response:
+    """Tell this node about another one (the console's "add peer"); it is polled at once."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise BadRequest("the request body is not valid JSON") from None
+    url = _peer_url(body.get("url") if isinstance(body, dict) else None)
+    node = request.app[NODE]
+    node.peers.add(url)
+    await node.peers.refresh(request.app[CLIENT])
+    return web.json_response({"peers": [p.to_dict() for p in node.status().peers]})
+
+
+async def remove_peer(request: web.Request) -> web.Response:
+    url = _peer_url(request.query.get("url"))
+    if not request.app[NODE].peers.remove(url):
+        raise NotFound(f"{url} is not a peer of this node", param="url")
+    return web.json_response({"removed": url})

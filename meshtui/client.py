@@ -1,0 +1,128 @@
+"""HTTP access to meshd daemons for the console. Knows HTTP and ``daemon.api`` shapes, no widgets.
+
+Every call has a timeout, so a node that hangs shows as down instead of freezing a poll.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from daemon.api import NodeStatus, RouteInfo, SessionList
+
+
+class DaemonError(Exception):
+    """A daemon could not be reached or answered with an error; the message is fit for the screen."""
+
+
+@dataclass
+class ChatChunk:
+    """One event of a streamed chat answer."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    stats: dict = field(default_factory=dict)  # the daemon's ``meshnet`` block, on the last chunk
+    usage: dict | None = None
+
+
+class DaemonClient:
+    """One keep-alive session for every daemon the console talks to."""
+
+    def __init__(self, *, timeout: float = 3.0, chat_timeout: float = 600.0) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._chat_timeout = aiohttp.ClientTimeout(total=chat_timeout, sock_read=120.0)
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _json(self, method: str, url: str, **kwargs) -> dict:
+        try:
+            async with self.session.request(method, url, timeout=self._timeout, **kwargs) as resp:
+                body = await resp.json(content_type=None)
+                if resp.status >= 400:
+                    raise DaemonError(_error_message(body, resp.status))
+                return body
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise DaemonError(_describe(exc)) from None
+
+    async def health(self, url: str) -> dict:
+        return await self._json("GET", f"{url}/health")
+
+    async def status(self, url: str) -> NodeStatus:
+        return NodeStatus.from_dict(await self._json("GET", f"{url}/v1/status"))
+
+    async def sessions(self, url: str) -> SessionList:
+        return SessionList.from_dict(await self._json("GET", f"{url}/v1/sessions"))
+
+    async def route(self, url: str, *, refresh: bool = False) -> RouteInfo:
+        params = {"refresh": "1"} if refresh else {}
+        return RouteInfo.from_dict(await self._json("GET", f"{url}/v1/route", params=params))
+
+    async def evict(self, url: str, session_id: str) -> None:
+        await self._json("DELETE", f"{url}/v1/sessions/{session_id}")
+
+    async def add_peer(self, url: str, peer: str) -> None:
+        await self._json("POST", f"{url}/v1/peers", json={"url": peer})
+
+    async def remove_peer(self, url: str, peer: str) -> None:
+        await self._json("DELETE", f"{url}/v1/peers", params={"url": peer})
+
+    async def chat_stream(self, url: str, messages: list[dict], **params) -> AsyncIterator[ChatChunk]:
+        """Stream ``/v1/chat/completions``; ``params`` are OpenAI parameters (max_tokens, temperature, ...)."""
+        body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}} | params
+        try:
+            async with self.session.post(f"{url}/v1/chat/completions", json=body, timeout=self._chat_timeout) as resp:
+                if resp.status != 200:
+                    raise DaemonError(_error_message(await resp.json(content_type=None), resp.status))
+                async for raw in resp.content:
+                    line = raw.decode("utf-8", "replace").strip()
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        return
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise DaemonError(_error_message(event, 0))
+                    yield _chunk(event)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise DaemonError(_describe(exc)) from None
+
+
+def _chunk(event: dict) -> ChatChunk:
+    if not event.get("choices"):
+        return ChatChunk(usage=event.get("usage"))
+    choice = event["choices"][0]
+    return ChatChunk(
+        text=choice.get("delta", {}).get("content") or "",
+        finish_reason=choice.get("finish_reason"),
+        stats=event.get("meshnet") or {},
+        usage=event.get("usage"),
+    )
+
+
+def _error_message(body, status: int) -> str:
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return error.get("message") or f"HTTP {status}"
+    if isinstance(error, str):
+        return f"{error}: {body.get('reason', '')}".strip(": ")
+    return f"HTTP {status}"
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connection refused"
+    return f"{exc.__class__.__name__}: {exc}".rstrip(": ")
