@@ -1,0 +1,124 @@
+"""The console's configuration: a TOML file the console itself keeps up to date. No widgets here.
+
+``meshtui.toml`` in the platformdirs config folder (or ``--config`` / ``MESHTUI_CONFIG``)::
+
+    peers = ["http://10.0.0.2:7071"]     # worker daemons; the console adds and removes these
+    theme = "textual-dark"
+    poll_seconds = 1.0
+    local_layers = "0-14"               # what the local head hosts when peers are configured
+    head_port = 7070
+
+    [keys]                              # binding id -> key(s), shown in the footer
+    "chat.cancel" = "escape"
+
+    [chat]                              # sampling defaults for the chat pane
+    temperature = 0.0
+    max_tokens = 256
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import platformdirs
+import tomli_w
+
+
+def default_config_path() -> Path:
+    if os.environ.get("MESHTUI_CONFIG"):
+        return Path(os.environ["MESHTUI_CONFIG"])
+    return Path(platformdirs.user_config_dir("meshnet")) / "meshtui.toml"
+
+
+class ConsoleConfigError(ValueError):
+    """The config file cannot be used; the message names the file and the key."""
+
+
+@dataclass
+class ChatSettings:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    seed: int | None = None
+
+    def params(self) -> dict:
+        """OpenAI request parameters for these settings."""
+        params = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                  "max_tokens": self.max_tokens}
+        return params | ({"seed": self.seed} if self.seed is not None else {})
+
+
+@dataclass
+class ConsoleConfig:
+    peers: list[str] = field(default_factory=list)
+    theme: str | None = None
+    poll_seconds: float = 1.0
+    local_layers: str | None = None
+    head_port: int = 7070
+    keys: dict[str, str] = field(default_factory=dict)
+    chat: ChatSettings = field(default_factory=ChatSettings)
+    path: Path | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> ConsoleConfig:
+        """Read the file if it exists; a missing file is the defaults."""
+        path = path or default_config_path()
+        if not path.exists():
+            return cls(path=path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, OSError) as exc:
+            raise ConsoleConfigError(f"{path}: {exc}") from None
+        known = {"peers", "theme", "poll_seconds", "local_layers", "head_port", "keys", "chat"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConsoleConfigError(f"{path}: unknown keys {unknown}; known keys are {sorted(known)}")
+        try:
+            chat = ChatSettings(**data.pop("chat", {}))
+            config = cls(**data, chat=chat, path=path)
+        except TypeError as exc:
+            raise ConsoleConfigError(f"{path}: {exc}") from None
+        if not isinstance(config.peers, list) or not all(isinstance(p, str) for p in config.peers):
+            raise ConsoleConfigError(f"{path}: peers must be a list of URLs")
+        if not isinstance(config.keys, dict) or not all(isinstance(v, str) for v in config.keys.values()):
+            raise ConsoleConfigError(f"{path}: [keys] maps binding ids to key names")
+        return config
+
+    def save(self) -> None:
+        """Write the file atomically (the operator may be editing peers from two consoles)."""
+        path = self.path or default_config_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {k: v for k, v in asdict(self).items() if k != "path" and v is not None}
+        data["chat"] = {k: v for k, v in data["chat"].items() if v is not None}
+        tmp = path.with_suffix(".toml.tmp")
+        tmp.write_text(tomli_w.dumps(data))
+        tmp.replace(path)
+
+    def add_peer(self, url: str) -> bool:
+        """Remember a peer and save; False if it was already known."""
+        url = normalize_url(url)
+        if url in self.peers:
+            return False
+        self.peers.append(url)
+        self.save()
+        return True
+
+    def remove_peer(self, url: str) -> bool:
+        url = normalize_url(url)
+        if url not in self.peers:
+            return False
+        self.peers.remove(url)
+        self.save()
+        return True
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` or a URL -> ``http://host:port`` without a trailing slash."""
+    url = url.strip().rstrip("/")
+    if not url:
+        raise ValueError("an empty address")
+    return url if "://" in url else f"http://{url}"
