@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from daemon.errors import BadRequest, MeshError, RouteUnavailable
 from daemon.mesh.generation import GenerationRequest, GenerationStats, HopClient, generate
 from daemon.server.errors import error_body
 from daemon.server.keys import CLIENT, NODE
+
+log = logging.getLogger(__name__)
 
 _ROLES = ("system", "user", "assistant", "developer", "tool")
 
@@ -210,6 +213,10 @@ async def _stream(request, events, stats, chat: ChatRequest, completion_id, crea
             usage = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
                      "model": model, "choices": [], "usage": _usage(stats)}
             await response.write(f"data: {json.dumps(usage)}\n\n".encode())
+    except ConnectionResetError:
+        # the client went away (an operator pressed Esc): stop generating; the caller drops the session
+        log.info("client left during generation %s", stats.session_id)
+        return response
     except MeshError as exc:
         # headers are gone already: the error travels as an event, as OpenAI's API does
         err = error_body(exc.message, type=exc.type, code=exc.code, param=exc.param)
