@@ -8,10 +8,20 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-
-import aiohttp
+from typing import TYPE_CHECKING
 
 from daemon.api import NodeStatus, RouteInfo, SessionList
+
+if TYPE_CHECKING:
+    import aiohttp
+
+# aiohttp is imported on first use: `meshtui --connect` paints its first frame before it loads
+
+
+def _aiohttp():
+    import aiohttp
+
+    return aiohttp
 
 
 class DaemonError(Exception):
@@ -32,14 +42,14 @@ class DaemonClient:
     """One keep-alive session for every daemon the console talks to."""
 
     def __init__(self, *, timeout: float = 3.0, chat_timeout: float = 600.0) -> None:
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
-        self._chat_timeout = aiohttp.ClientTimeout(total=chat_timeout, sock_read=120.0)
+        self._timeout_seconds = timeout
+        self._chat_timeout_seconds = chat_timeout
         self._session: aiohttp.ClientSession | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            self._session = _aiohttp().ClientSession()
         return self._session
 
     async def close(self) -> None:
@@ -47,8 +57,10 @@ class DaemonClient:
             await self._session.close()
 
     async def _json(self, method: str, url: str, **kwargs) -> dict:
+        aiohttp = _aiohttp()
+        timeout = aiohttp.ClientTimeout(total=self._timeout_seconds)
         try:
-            async with self.session.request(method, url, timeout=self._timeout, **kwargs) as resp:
+            async with self.session.request(method, url, timeout=timeout, **kwargs) as resp:
                 body = await resp.json(content_type=None)
                 if resp.status >= 400:
                     raise DaemonError(_error_message(body, resp.status))
@@ -81,8 +93,10 @@ class DaemonClient:
     async def chat_stream(self, url: str, messages: list[dict], **params) -> AsyncIterator[ChatChunk]:
         """Stream ``/v1/chat/completions``; ``params`` are OpenAI parameters (max_tokens, temperature, ...)."""
         body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}} | params
+        aiohttp = _aiohttp()
+        timeout = aiohttp.ClientTimeout(total=self._chat_timeout_seconds, sock_read=120.0)
         try:
-            async with self.session.post(f"{url}/v1/chat/completions", json=body, timeout=self._chat_timeout) as resp:
+            async with self.session.post(f"{url}/v1/chat/completions", json=body, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise DaemonError(_error_message(await resp.json(content_type=None), resp.status))
                 async for raw in resp.content:
@@ -123,6 +137,6 @@ def _error_message(body, status: int) -> str:
 def _describe(exc: Exception) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, _aiohttp().ClientConnectorError):
         return "connection refused"
     return f"{exc.__class__.__name__}: {exc}".rstrip(": ")

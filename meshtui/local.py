@@ -1,0 +1,467 @@
+"""The embedded local mesh: ``meshd`` child processes on loopback, owned by the console.
+
+The console never imports torch or transformers: it reaches the model only by running ``meshd``
+(``python -m daemon.cli``) as child processes and talking HTTP to them. No widgets here either:
+progress goes to a ``progress(label, line)`` callback, called on the event loop that ran
+:meth:`LocalMesh.start`.
+
+No orphans: every child gets a parent-death signal (Linux ``PR_SET_PDEATHSIG``), so it is sent
+SIGTERM even when the console is killed with SIGKILL; :meth:`LocalMesh.stop` (also run at exit)
+stops the rest. The kernel sends that signal when the *thread* that started the child ends, so call
+``start`` on an event loop running in the main thread (as ``App.run`` and ``asyncio.run`` do).
+
+Models: with no ``model``, ``meshd fetch-model`` fetches the built-in one (once per machine) and
+says where it is. A Hugging Face folder is read as it is. Anything else (a ``.gguf`` file, the
+built-in model's name) is resolved by a child with meshd's own code, which converts a ``.gguf`` once
+into meshd's cache, so the layer count comes from a ``config.json`` and every node loads the same
+converted folder instead of converting it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from daemon.api import format_layers, parse_layers
+
+Progress = Callable[[str, str], None]
+
+LOOPBACK = "127.0.0.1"
+READY_TIMEOUT_S = 300.0  # a first start on a slow machine imports torch and loads weights per node
+STOP_GRACE_S = 5.0
+TAIL_LINES = 40
+
+# Resolves a model spec into a safetensors folder with meshd's own code, in a child process.
+_RESOLVE_MODEL = """\
+import sys
+from daemon.errors import ModelUnavailable
+from daemon.model.source import resolve_model
+say = lambda message: print(f"meshd: {message}", file=sys.stderr, flush=True)
+try:
+    folder = resolve_model(sys.argv[1], progress=say)
+except ModelUnavailable as exc:
+    say(f"error: {exc.message}")
+    sys.exit(1)
+say(f"the model is ready in {folder}")
+"""
+_READY_IN = re.compile(r"ready in (.+)$")
+
+
+class LocalMeshError(RuntimeError):
+    """The local mesh could not start; the message says which child and quotes its last output."""
+
+
+def split_layers(num_layers: int, nodes: int) -> list[str]:
+    """``nodes`` contiguous inclusive ranges covering every layer, the first ones one layer longer:
+    ``split_layers(30, 2) == ["0-14", "15-29"]``."""
+    if not 1 <= nodes <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers among {nodes} nodes")
+    size, extra = divmod(num_layers, nodes)
+    ranges, start = [], 0
+    for i in range(nodes):
+        end = start + size + (1 if i < extra else 0)
+        ranges.append(format_layers(start, end))
+        start = end
+    return ranges
+
+
+def layers_left_by(num_layers: int, hosted: Sequence[tuple[int, int]]) -> str:
+    """What a head should host next to peers hosting half-open ranges ``hosted``: the span of the
+    layers no peer hosts; every layer when no peer answered; layer 0 alone when the peers already
+    cover the model (a node must host something, and the head loads embeddings anyway)."""
+    covered = {i for start, end in hosted for i in range(start, end)}
+    missing = [i for i in range(num_layers) if i not in covered]
+    if not missing:
+        return format_layers(0, 1)
+    return format_layers(missing[0], missing[-1] + 1)
+
+
+def model_num_layers(folder: Path) -> int:
+    """Decoder layers of the model in a Hugging Face folder, from its ``config.json``."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise LocalMeshError(f"{folder}: cannot read config.json ({exc})") from None
+    for part in (config, config.get("text_config") or {}):
+        if isinstance(part.get("num_hidden_layers"), int):
+            return part["num_hidden_layers"]
+    raise LocalMeshError(f"{folder}/config.json names no num_hidden_layers")
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port nobody listens on right now (the OS picks it)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _url(host: str, port: int) -> str:
+    host = LOOPBACK if host in ("", "0.0.0.0") else "::1" if host == "::" else host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking Linux to SIGTERM the child when its parent dies (None elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded before fork: only a call happens after it
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between fork and prctl: nobody will stop us
+            os._exit(1)
+
+    return preexec
+
+
+def describe_returncode(code: int | None) -> str:
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _Child:
+    """One child process whose merged stdout/stderr a thread drains line by line, whatever the
+    event loop is doing, so the pipe never fills and the last lines are at hand for errors."""
+
+    def __init__(self, label: str, argv: list[str], *, on_line: Callable[[str, str], None],
+                 on_exit: Callable[[str, int], None], log_path: Path | None) -> None:
+        self.label = label
+        self.argv = argv
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self._on_line = on_line
+        self._on_exit = on_exit
+        self._log = open(log_path, "a", encoding="utf-8") if log_path else None
+        self.process = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=os.environ | {"PYTHONUNBUFFERED": "1"},
+            preexec_fn=_die_with_parent(),
+            start_new_session=True,  # the terminal's signals go to the console, which stops us in order
+        )
+        self.reader = threading.Thread(target=self._read, name=f"{label} output", daemon=True)
+        self.reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            # a progress bar redraws itself with carriage returns: its last state is the line
+            line = raw.decode("utf-8", "replace").rstrip("\r\n").rsplit("\r", 1)[-1]
+            self.tail.append(line)
+            if self._log:
+                self._log.write(line + "\n")
+                self._log.flush()
+            self._on_line(self.label, line)
+        self.process.stdout.close()
+        if self._log:
+            self._log.close()
+        self._on_exit(self.label, self.process.wait())
+
+    def last_output(self, lines: int = 12) -> str:
+        """The last lines it printed, indented, once its output has ended (or after a short wait)."""
+        self.reader.join(timeout=2.0)
+        return "\n".join(f"  {line}" for line in list(self.tail)[-lines:]) or "  (no output)"
+
+
+@dataclass
+class LocalNode:
+    """One ``meshd`` of the local mesh."""
+
+    label: str  # "node 0-14"
+    layers: str | None  # inclusive; None until start has planned it
+    port: int
+    url: str
+    argv: list[str] = field(default_factory=list)
+    child: _Child | None = field(default=None, repr=False)
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        return self.child.process if self.child else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.child.process.poll() if self.child else None
+
+
+class LocalMesh:
+    """``meshd`` children on this machine: a whole small mesh (``nodes`` of them splitting the model's
+    layers, the first one the head), or with :meth:`head_only` one head next to remote peers.
+
+    ``urls`` (head first) and ``head_url`` are known from construction; ``start`` starts the children
+    and returns once every one answers ``/health`` (and, for a whole mesh, once the head has a route
+    over every layer). ``stop`` is synchronous, idempotent and safe from ``atexit`` and signal handlers.
+    """
+
+    def __init__(self, *, nodes: int = 2, model: str | None = None, host: str = LOOPBACK,
+                 base_port: int | None = None, peers: Sequence[str] = (), layers: Sequence[str] | None = None,
+                 log_dir: Path | None = None) -> None:
+        if layers is not None:
+            layers = list(layers)
+            for text in layers:
+                parse_layers(text)  # the format only; meshd checks the range against the model
+            nodes = len(layers)
+        if nodes < 1:
+            raise ValueError("a local mesh needs at least one node")
+        self.model = model
+        self.host = host
+        self.peers = list(peers)
+        self.layers = layers
+        self.log_dir = Path(log_dir) if log_dir else None
+        ports = [base_port + i for i in range(nodes)] if base_port else [free_port(host) for _ in range(nodes)]
+        self.urls: list[str] = [_url(host, p) for p in ports]
+        self.head_url: str = self.urls[0]
+        self.nodes: list[LocalNode] = [LocalNode(label="node", layers=None, port=p, url=u)
+                                       for p, u in zip(ports, self.urls)]
+        self.reused = False  # head_only found a daemon already serving and started nothing
+        self.threads = max(1, usable_cores() // nodes)
+        self._head_only = False
+        self._children: list[_Child] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._progress: Progress | None = None
+        self._started = False
+        self._stopping = False
+        self._stop_lock = threading.RLock()
+
+    @classmethod
+    def head_only(cls, *, port: int = 7070, peers: Sequence[str] = (), layers: str | None = None,
+                  model: str | None = None, host: str = LOOPBACK, log_dir: Path | None = None) -> LocalMesh:
+        """The local head next to remote ``peers``: reuses whatever already answers ``/health`` on
+        ``port`` (starting nothing), or starts one meshd hosting ``layers`` with ``--peer`` for each
+        peer. Without ``layers`` it hosts the layers no reachable peer hosts (every layer if none answers)."""
+        mesh = cls(nodes=1, model=model, host=host, base_port=port, peers=peers,
+                   layers=[layers] if layers else None, log_dir=log_dir)
+        mesh._head_only = True
+        return mesh
+
+    @property
+    def processes(self) -> list[subprocess.Popen]:
+        """The meshd processes started so far (none when a running head was reused)."""
+        return [n.process for n in self.nodes if n.process is not None]
+
+    def exited_nodes(self) -> list[LocalNode]:
+        """Nodes whose meshd has ended, whatever the reason; each is also reported through ``progress``."""
+        return [n for n in self.nodes if n.returncode is not None]
+
+    async def start(self, progress: Progress) -> None:
+        """Fetch the model if needed, start every node, and wait until they serve.
+
+        Raises :class:`LocalMeshError` (after stopping whatever it started) when a child fails."""
+        if self._started:
+            raise RuntimeError("this local mesh was already started")
+        self._started = True
+        self._loop = asyncio.get_running_loop()
+        self._progress = progress
+        atexit.register(self.stop)
+        try:
+            if self._head_only and await _answers_health(self.head_url):
+                self.reused = True
+                progress("head", f"reusing the meshd already serving on {self.head_url}")
+                for peer in self.peers:
+                    progress("head", await _introduce(self.head_url, peer))
+                return
+            folder = await self._model_folder()
+            ranges = await self._plan_layers(model_num_layers(folder), progress)
+            for i, (node, layers) in enumerate(zip(self.nodes, ranges)):
+                node.layers = layers
+                node.label = f"node {layers}"
+                others = [u for u in self.urls if u != node.url]
+                remote = [p for p in self.peers if p not in self.urls] if i == 0 else []
+                node.argv = [sys.executable, "-m", "daemon.cli", "--model", str(folder), "--layers", layers,
+                             "--host", self.host, "--port", str(node.port), "--threads", str(self.threads),
+                             *[arg for url in [*others, *remote] for arg in ("--peer", url)]]
+                node.child = self._spawn(node.label, node.argv)
+            await self.wait_ready(READY_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
+
+    async def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Wait until every node answers ``/health`` and, when the mesh is all local, the head has a
+        route over every layer. A node that exits first, or a timeout, raises :class:`LocalMeshError`."""
+        deadline = time.monotonic() + timeout
+        pending = [n for n in self.nodes if n.child is not None]
+        while pending:
+            for node in pending:
+                if node.returncode is not None:
+                    raise LocalMeshError(f"{node.label} (meshd on port {node.port}) "
+                                         f"{describe_returncode(node.returncode)} before it was ready:\n"
+                                         f"{node.child.last_output()}")
+            answered = await asyncio.gather(*(_answers_health(n.url) for n in pending))
+            pending = [n for n, ok in zip(pending, answered) if not ok]
+            if pending and time.monotonic() > deadline:
+                node = pending[0]
+                raise LocalMeshError(f"{node.label} did not answer {node.url}/health within {timeout:.0f} s; "
+                                     f"its last output:\n{node.child.last_output()}")
+            if pending:
+                await asyncio.sleep(0.2)
+        if self._head_only or self.reused:
+            return  # remote peers may be down or slow: the console shows the route as it is
+        error = "no answer"
+        while time.monotonic() < deadline:
+            error = await _route_error(self.head_url)
+            if error is None:
+                return
+            await asyncio.sleep(0.3)
+        raise LocalMeshError(f"the head {self.head_url} has no route over every layer after {timeout:.0f} s: {error}")
+
+    def stop(self) -> None:
+        """SIGTERM every child, give them a few seconds, then SIGKILL what is left. Idempotent."""
+        with self._stop_lock:
+            self._stopping = True
+            running = [c for c in self._children if c.process.poll() is None]
+            for child in running:
+                try:
+                    child.process.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in running:
+                try:
+                    child.process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+                    child.process.wait()
+        atexit.unregister(self.stop)
+
+    # -- inside start ---------------------------------------------------------------------------
+
+    def _spawn(self, label: str, argv: list[str], *, report_exit: bool = True) -> _Child:
+        log_path = None
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = self.log_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "-", label) + ".log")
+        with self._stop_lock:
+            if self._stopping:
+                raise LocalMeshError("the local mesh is stopping")
+            on_exit = self._report_exit if report_exit else lambda label, code: None
+            child = _Child(label, argv, on_line=self._deliver, on_exit=on_exit, log_path=log_path)
+            self._children.append(child)
+        return child
+
+    def _report_exit(self, label: str, code: int) -> None:
+        if not self._stopping:  # the ends we cause ourselves are not news
+            self._deliver(label, f"meshd {describe_returncode(code)}")
+
+    def _deliver(self, label: str, line: str) -> None:
+        """Hand a child's line to ``progress`` on the event loop (called from reader threads)."""
+        if self._progress is None or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._progress, label, line)
+        except RuntimeError:  # the loop is closed: the console is gone, the log file still has it
+            pass
+
+    async def _model_folder(self) -> Path:
+        """The safetensors folder every node loads, fetched or converted by a child when needed."""
+        if self.model is not None and (Path(self.model) / "config.json").is_file():
+            return Path(self.model).resolve()
+        if self.model is None:
+            argv = [sys.executable, "-m", "daemon.cli", "fetch-model"]
+        else:
+            argv = [sys.executable, "-c", _RESOLVE_MODEL, self.model]
+        child = self._spawn("model", argv, report_exit=False)
+        while child.process.poll() is None:
+            await asyncio.sleep(0.1)
+        child.reader.join(timeout=2.0)
+        found = [m.group(1) for m in map(_READY_IN.search, child.tail) if m]
+        if child.process.returncode != 0 or not found:
+            what = "fetching the built-in model" if self.model is None else f"preparing the model {self.model}"
+            raise LocalMeshError(f"{what} failed ({describe_returncode(child.process.returncode)}):\n"
+                                 f"{child.last_output()}")
+        return Path(found[-1].strip())
+
+    async def _plan_layers(self, num_layers: int, progress: Progress) -> list[str]:
+        """Inclusive ranges, one per node: as given, split evenly, or (head only) what peers leave."""
+        if self.layers is not None:
+            return list(self.layers)
+        if not self._head_only:
+            try:
+                return split_layers(num_layers, len(self.nodes))
+            except ValueError as exc:
+                raise LocalMeshError(f"{exc}: the model has {num_layers} layers; use fewer nodes") from None
+        hosted = [r for r in await asyncio.gather(*(_hosted_layers(p) for p in self.peers)) if r]
+        layers = layers_left_by(num_layers, hosted)
+        if self.peers:
+            what = ", ".join(format_layers(*r) for r in hosted) or "nothing (no peer answered)"
+            progress("head", f"peers host layers {what}; this head hosts {layers}")
+        return [layers]
+
+
+async def _answers_health(url: str, timeout: float = 1.5) -> bool:
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+            async with session.get(f"{url}/health") as resp:
+                return resp.status == 200
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return False
+
+
+async def _route_error(head_url: str) -> str | None:
+    """None once the head's route covers every layer, else why not."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3.0)) as session:
+            async with session.get(f"{head_url}/v1/route", params={"refresh": "1"}) as resp:
+                body = await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if body.get("error") or not body.get("hops"):
+        return body.get("error") or "no hops"
+    return None
+
+
+async def _hosted_layers(peer: str) -> tuple[int, int] | None:
+    """The half-open layer range a peer hosts, from its ``/v1/status``; None if it does not answer."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3.0)) as session:
+            async with session.get(f"{peer}/v1/status") as resp:
+                body = await resp.json(content_type=None)
+        return int(body["start"]), int(body["end"])
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+async def _introduce(head_url: str, peer: str) -> str:
+    """Tell a running head about a peer (``POST /v1/peers``); a line saying how it went."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
+            async with session.post(f"{head_url}/v1/peers", json={"url": peer}) as resp:
+                if resp.status == 200:
+                    return f"told it about the peer {peer}"
+                return f"it refused the peer {peer}: HTTP {resp.status} {(await resp.text())[:200]}"
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return f"could not tell it about the peer {peer}: {type(exc).__name__}: {exc}"

@@ -1,0 +1,152 @@
+"""The Chat view: a prompt, and answers streamed from the head token by token."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Input, Markdown, Static
+from textual.widgets.markdown import MarkdownStream
+
+from meshtui.config import ChatSettings
+from meshtui.messages import CancelRequested, ChatSettingsChanged, PromptSubmitted
+from meshtui.screens.settings import ChatSettingsScreen
+from meshtui.screens.throughput import generation_stats
+from meshtui.state import GenerationRecord
+from meshtui.widgets.formatting import format_rate, plural
+
+
+class Answer(Vertical):
+    """One streamed answer: a Markdown body fed through a stream, and a line of what it cost."""
+
+    def __init__(self) -> None:
+        super().__init__(classes="answer")
+        self.body = Markdown()
+        self.stats = Static(Text("streaming…", style="dim"), classes="answer-stats")
+        self._stream: MarkdownStream | None = None
+
+    def compose(self) -> ComposeResult:
+        yield self.body
+        yield self.stats
+
+    def start(self) -> None:
+        self._stream = Markdown.get_stream(self.body)
+
+    async def write(self, text: str) -> None:
+        if self._stream is not None:
+            await self._stream.write(text)
+
+    async def finish(self, record: GenerationRecord) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        # render the whole text once more: fragments can leave a code fence or a list half-parsed
+        await self.body.update(record.text)
+        if record.outcome == "done":
+            self.stats.update(generation_stats(record))
+        elif record.outcome == "cancelled":
+            self.stats.update(Text(f"cancelled after {plural(record.tokens, 'token')}", style="yellow"))
+        else:
+            self.stats.update(Text(f"failed: {record.error}", style="bold red"))
+
+
+class ChatView(Vertical):
+    """The conversation follows new text only while the operator is at its bottom (an anchored scroll)."""
+
+    BINDINGS = [
+        Binding("escape", "cancel", "Cancel answer", id="chat.cancel"),
+        Binding("ctrl+s", "settings", "Sampling", id="chat.settings"),
+    ]
+
+    def __init__(self, settings: ChatSettings, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.settings = settings
+        self.conversation = VerticalScroll(id="conversation")
+        self.status = Static(id="chat-status")
+        self.prompt = Input(placeholder="Ask the mesh…  (Enter sends)", id="prompt")
+        self._answers: dict[int, Answer] = {}
+        self._streaming: GenerationRecord | None = None
+
+    def compose(self) -> ComposeResult:
+        with self.conversation:
+            yield Static(Text("Ask the mesh anything: the head plans a route and streams the answer here. "
+                              "Every turn is sent again, so the model sees the whole conversation.",
+                              style="dim"), id="chat-hint")
+        yield self.status
+        yield self.prompt
+
+    def on_mount(self) -> None:
+        self.conversation.anchor()
+        self.show_settings(self.settings)
+
+    @property
+    def streaming(self) -> bool:
+        return self._streaming is not None
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        text = event.value.strip()
+        if not text:
+            return
+        if self.streaming:
+            self.notify("An answer is still streaming: cancel it first.", severity="warning")
+            return
+        event.input.clear()
+        self.post_message(PromptSubmitted(text))
+
+    async def begin(self, record: GenerationRecord) -> None:
+        """Show the prompt and an empty answer that chunks will stream into."""
+        self._streaming = record
+        answer = self._answers[record.number] = Answer()
+        await self.conversation.mount_all([Static(Text(record.prompt), classes="prompt"), answer])
+        answer.start()
+        self._show_status()
+
+    async def append(self, record: GenerationRecord, text: str) -> None:
+        answer = self._answers.get(record.number)
+        if answer is not None and text:
+            await answer.write(text)
+        self._show_status()
+
+    async def finish(self, record: GenerationRecord) -> None:
+        answer = self._answers.get(record.number)
+        if answer is not None:
+            await answer.finish(record)
+        if self._streaming is record:
+            self._streaming = None
+        self._show_status()
+
+    def show_settings(self, settings: ChatSettings) -> None:
+        self.settings = settings
+        self._show_status()
+
+    def _show_status(self) -> None:
+        status = Text()
+        record = self._streaming
+        if record is not None:
+            status.append(f"answering #{record.number}", style="bold cyan")
+            status.append(f" · {plural(len(record.chunk_times), 'token')} · {format_rate(record.tokens_per_second)}")
+        else:
+            s = self.settings
+            seed = "random" if s.seed is None else str(s.seed)
+            status.append(f"temperature {s.temperature:g} · top_p {s.top_p:g} · top_k {s.top_k} · "
+                          f"max {s.max_tokens} tokens · seed {seed}", style="dim")
+        self.status.update(status)
+
+    def action_cancel(self) -> None:
+        if self.streaming:
+            self.post_message(CancelRequested())
+        else:
+            # nothing to cancel: leave the prompt so single-key bindings (1-4, ...) work again
+            self.conversation.focus()
+
+    def action_settings(self) -> None:
+        def save(settings: ChatSettings | None) -> None:
+            if settings is not None:
+                self.post_message(ChatSettingsChanged(settings))
+
+        self.app.push_screen(ChatSettingsScreen(self.settings), save)
+
+    def focus_prompt(self) -> None:
+        self.prompt.focus()

@@ -1,0 +1,166 @@
+"""The main screen: the four views in tabs, switched by keys or the mouse, and the keys that work anywhere."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from textual.actions import parse as parse_action
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Input, TabbedContent, TabPane
+
+from meshtui.config import ConsoleConfig
+from meshtui.messages import PeerChangeRequested
+from meshtui.screens.chat import ChatView
+from meshtui.screens.help import BindingHelp, HelpScreen
+from meshtui.screens.mesh import MeshView
+from meshtui.screens.modals import PeerScreen
+from meshtui.screens.sessions import SessionsView
+from meshtui.screens.throughput import ThroughputView
+from meshtui.state import MeshState
+
+VIEWS = {"mesh": "Mesh", "sessions": "Sessions", "throughput": "Throughput", "chat": "Chat"}
+
+
+class MainScreen(Screen):
+    """Holds the views; the app redraws them from :class:`MeshState` as messages arrive."""
+
+    BINDINGS = [
+        Binding("1", "show_view('mesh')", "Mesh", id="view.mesh"),
+        Binding("2", "show_view('sessions')", "Sessions", id="view.sessions"),
+        Binding("3", "show_view('throughput')", "Throughput", id="view.throughput"),
+        Binding("4", "show_view('chat')", "Chat", id="view.chat"),
+        Binding("a", "add_peer", "Add peer", id="peer.add"),
+        Binding("r", "remove_peer", "Remove peer", id="peer.remove", show=False),
+        Binding("f1,question_mark", "help", "Help", id="app.help"),
+    ]
+
+    def __init__(self, state: MeshState, config: ConsoleConfig, clock: Callable[[], float]) -> None:
+        super().__init__()
+        self.state = state
+        self.config = config
+        self.clock = clock
+        self.mesh_view = MeshView(state, id="mesh-view")
+        self.sessions_view = SessionsView(state, id="sessions-view")
+        self.throughput_view = ThroughputView(state, id="throughput-view")
+        self.chat_view = ChatView(config.chat, id="chat-view")
+        self.tabs = TabbedContent(initial="mesh", id="views")
+        self._views_ready = False  # set once composed: until then on_mount will draw what arrived
+        self._typed_actions = self._actions_on_printable_keys()
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        views = (self.mesh_view, self.sessions_view, self.throughput_view, self.chat_view)
+        with self.tabs:
+            for (view_id, title), view in zip(VIEWS.items(), views):
+                with TabPane(title, id=view_id):
+                    yield view
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._views_ready = True
+        self._focus_view("mesh")
+        self.show_loading()
+        self.show_nodes()
+        self.show_route()
+
+    # ---- redrawing, as the app asks; what arrives before the views exist is drawn by on_mount -----
+
+    def show_nodes(self) -> None:
+        if self._views_ready:
+            now = self.clock()
+            self.mesh_view.show_nodes(now)
+            self.sessions_view.show_sessions(now)
+            self.throughput_view.show_nodes()
+
+    def show_route(self) -> None:
+        if self._views_ready:
+            self.mesh_view.show_route()
+
+    def show_loading(self) -> None:
+        if self._views_ready:
+            self.mesh_view.show_loading()
+            self.mesh_view.show_nodes(self.clock())
+
+    def tick(self) -> None:
+        """Countdowns and down-for times move on; nothing else changed."""
+        if self._views_ready:
+            now = self.clock()
+            self.mesh_view.show_nodes(now)
+            self.sessions_view.show_sessions(now)
+
+    # ---- views -------------------------------------------------------------------------------------
+
+    def action_show_view(self, view: str) -> None:
+        self.tabs.active = view
+        self._focus_view(view)
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        self._focus_view(event.pane.id or "mesh")
+
+    def _focus_view(self, view: str) -> None:
+        if view == "chat":
+            self.chat_view.focus_prompt()
+        elif view == "sessions":
+            self.sessions_view.focus_table()
+        elif view == "mesh":
+            self.mesh_view.nodes.focus()
+        else:
+            self.throughput_view.generations.focus()
+
+    # ---- peers and help ----------------------------------------------------------------------------
+
+    def action_add_peer(self) -> None:
+        def add(url: str | None) -> None:
+            if url is not None:
+                self.post_message(PeerChangeRequested(url, add=True))
+
+        self.app.push_screen(PeerScreen("add a peer", "Add"), add)
+
+    def action_remove_peer(self) -> None:
+        """Offer the node selected on the Mesh view, else the first node that is not the head."""
+        head = self.state.head_url
+        selected = self.mesh_view.nodes.selected_key
+        others = [url for url in self.state.nodes if url != head]
+        candidate = selected if selected in others else next(iter(others), "")
+
+        def remove(url: str | None) -> None:
+            if url == head:
+                self.notify("That is the head: the console cannot remove it.", severity="warning")
+            elif url is not None:
+                self.post_message(PeerChangeRequested(url, add=False))
+
+        self.app.push_screen(PeerScreen("remove a peer", "Remove", candidate), remove)
+
+    def action_help(self) -> None:
+        self.app.push_screen(HelpScreen(self.binding_help(), str(self.config.path) if self.config.path else None))
+
+    def binding_help(self) -> list[BindingHelp]:
+        """Every binding with an id, with the keys it has now (after ``[keys]`` in the config)."""
+        rows = []
+        for where, bindings in self.binding_sections():
+            for binding in bindings:
+                keys = self.config.keys.get(binding.id, binding.key).split(",")
+                shown = ", ".join(self.app.get_key_display(Binding(key.strip(), binding.action)) for key in keys)
+                rows.append(BindingHelp(where, shown, binding.description, binding.id))
+        return rows
+
+    def binding_sections(self) -> list[tuple[str, list[Binding]]]:
+        return [("anywhere", [*self.BINDINGS, *self.app.BINDINGS]), ("sessions", SessionsView.BINDINGS),
+                ("chat", ChatView.BINDINGS)]
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # a focused Input takes printable keys for itself: don't advertise bindings it would swallow
+        if isinstance(self.focused, Input) and (action, parameters) in self._typed_actions:
+            return False
+        return True
+
+    def _actions_on_printable_keys(self) -> set[tuple[str, tuple]]:
+        typed = set()
+        for binding in self.BINDINGS:
+            keys = self.config.keys.get(binding.id, binding.key).split(",")
+            if all(len(key.strip()) == 1 for key in keys):
+                _, name, parameters = parse_action(binding.action)
+                typed.add((name, parameters))
+        return typed

@@ -1,0 +1,183 @@
+"""The Mesh view: every node, their layers against the model's, and the head's route."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Static
+
+from meshtui.state import MeshState, NodeState, layer_runs
+from meshtui.widgets.formatting import format_duration, short_url
+from meshtui.widgets.keyed_table import KeyedTable
+from meshtui.widgets.layer_map import LayerHop, LayerMap, LayerRow
+from meshtui.widgets.section import Section
+
+NODE_COLUMNS = [("node", "node"), ("state", "state"), ("model", "model"), ("layers", "layers"),
+                ("roles", "roles"), ("cache", "cache"), ("load", "load"), ("served", "steps served")]
+ROUTE_COLUMNS = [("hop", "hop"), ("node", "node"), ("hosts", "hosts"), ("runs", "runs"), ("start", "starts at"),
+                 ("cache", "cache"), ("latency", "latency")]
+MODEL_WIDTH = 14
+
+
+class LoadingPanel(Static):
+    """The local mesh's start-up: the latest lines each node printed while loading."""
+
+    def show(self, state: MeshState) -> None:
+        self.display = state.starting or state.loading_error is not None
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold", no_wrap=True)
+        grid.add_column()
+        for label, lines in state.loading.items():
+            earlier = [Text(line, style="dim") for line in lines[:-1]]
+            grid.add_row(label, Text("\n").join([*earlier, Text(lines[-1])]))
+        if state.loading_error:
+            grid.add_row(Text("failed", style="bold red"), Text(state.loading_error, style="red"))
+        elif not state.loading:
+            grid.add_row("", Text("starting local daemons…", style="dim"))
+        self.update(grid)
+
+
+class MeshView(VerticalScroll):
+    """Nodes (up/down, model, roles, cache, load), a layer map showing coverage, and the route."""
+
+    def __init__(self, state: MeshState, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.state = state
+        self.summary = Static(id="mesh-summary")
+        self.loading_panel = LoadingPanel(id="loading")
+        self.loading_panel.border_title = "starting the local mesh"
+        self.loading_panel.display = False
+        self.nodes = KeyedTable(NODE_COLUMNS, id="nodes")
+        self.node_errors = Static(id="node-errors")
+        self.layers_section = Section("layers", id="layers-box")
+        self.layer_map = LayerMap(id="layer-map")
+        self.route_section = Section("route", id="route-box")
+        self.hops = KeyedTable(ROUTE_COLUMNS, id="route")
+        self.route_error = Static(id="route-error")
+
+    def compose(self) -> ComposeResult:
+        yield self.summary
+        yield self.loading_panel
+        with Section("nodes", id="nodes-box"):
+            yield self.nodes
+            yield self.node_errors
+        with self.layers_section:
+            yield self.layer_map
+        with self.route_section:
+            yield self.hops
+            yield self.route_error
+
+    def show_loading(self) -> None:
+        self.loading_panel.show(self.state)
+
+    def show_nodes(self, now: float) -> None:
+        state = self.state
+        self.nodes.show({url: self._node_row(node, now) for url, node in state.nodes.items()})
+        errors = [_down_line(node, now) for node in state.nodes.values() if node.error]
+        self.node_errors.display = bool(errors)
+        self.node_errors.update(Text("\n".join(errors), style="red"))
+        self.summary.update(self._summary())
+        self._show_layers()
+
+    def _node_row(self, node: NodeState, now: float) -> list:
+        marker = "◆ " if node.url == self.state.head_url else "  "
+        label = Text(marker + short_url(node.url), style="bold" if marker.strip() else "")
+        status = node.status
+        if node.up:
+            state = Text("● up", style="green")
+        elif node.polled:
+            state = Text("✕ down", style="bold red")
+        else:
+            state = Text("… polling", style="dim")
+        if status is None:
+            return [label, state, "", "", "", "", "", ""]
+        model = status.model.name
+        if len(model) > MODEL_WIDTH:
+            model = model[: MODEL_WIDTH - 1] + "…"
+        cache = ("on" if status.kv_cache_enabled else "off") if status.supports_kv_cache else "n/a"
+        load = _load(status) if node.up else ""
+        return [label, state, model, status.layers, " ".join(status.roles),
+                Text(cache, style="" if cache == "on" else "yellow"), Text(load or "idle", style="" if load else "dim"),
+                f"{status.steps_served:,}"]
+
+    def _summary(self) -> Text:
+        state = self.state
+        if state.starting:
+            return Text("starting a local mesh…", style="dim")
+        if state.head_url is None:
+            return Text("no head node: give meshtui a --head URL or peers in its config", style="yellow")
+        model = state.model
+        up = sum(n.up for n in state.nodes.values())
+        summary = Text()
+        if model is None:
+            summary.append("waiting for the head to answer…", style="dim")
+        else:
+            summary.append(model.name, style="bold")
+            summary.append(f" · {model.model_type} · {model.num_layers} layers · hidden {model.hidden_size}")
+        summary.append(" · ")
+        summary.append(f"{up}/{len(state.nodes)} nodes up", style="green" if up == len(state.nodes) else "bold red")
+        return summary
+
+    def _show_layers(self) -> None:
+        state = self.state
+        model = state.model
+        rows = [LayerRow(short_url(n.url), n.status.start, n.status.end, n.up)
+                for n in state.nodes.values() if n.status is not None]
+        route = state.current_route
+        hops = [LayerHop(h.start_layer, h.end_layer) for h in route.hops] if route else []
+        self.layer_map.show(model.num_layers if model else 0, rows, hops)
+        if model is None:
+            self.layers_section.border_subtitle = ""
+            return
+        counts = state.coverage()
+        gaps = layer_runs(counts, lambda c: c == 0)
+        overlaps = layer_runs(counts, lambda c: c > 1)
+        parts = [f"gap at {_runs(gaps)}" if gaps else f"all {len(counts)} layers covered"]
+        if overlaps:
+            parts.append(f"overlap at {_runs(overlaps)}")
+        self.layers_section.border_subtitle = " · ".join(parts)
+        self.layers_section.set_class(bool(gaps), "-gap")
+
+    def show_route(self) -> None:
+        state = self.state
+        route = state.current_route
+        rows = {}
+        for i, hop in enumerate(route.hops if route else []):
+            node = state.nodes.get(hop.url)
+            hosts = node.status.layers if node is not None and node.status is not None else "?"
+            latency = "—" if hop.latency_ms is None else f"{hop.latency_ms:.1f} ms"
+            rows[str(i)] = [str(i + 1), short_url(hop.url) + (" (local)" if hop.local else ""), hosts,
+                            f"{hop.start_layer}-{hop.end_layer - 1}", str(hop.start_layer),
+                            "on" if hop.kv_cache else "off", latency]
+        self.hops.show(rows)
+        self.hops.display = bool(rows)
+        if state.route_error:
+            self.route_error.update(Text(f"the head did not answer: {state.route_error}", style="bold red"))
+        elif route is not None and route.error:
+            self.route_error.update(Text(f"no route: {route.error}", style="bold red"))
+        elif not rows:
+            self.route_error.update(Text("no route yet", style="dim"))
+        self.route_error.display = not rows or bool(route and route.error)
+        self.route_section.border_subtitle = f"{len(rows)} hops" if rows else ""
+        self._show_layers()
+
+
+def _load(status) -> str:
+    """What a node is doing right now: generations it runs as head, forward steps it runs as a hop."""
+    parts = []
+    if status.active_generations:
+        parts.append(f"{status.active_generations} gen")
+    if status.active_steps:
+        parts.append(f"{status.active_steps} step{'s' if status.active_steps != 1 else ''}")
+    return " · ".join(parts)
+
+
+def _down_line(node: NodeState, now: float) -> str:
+    seen = "never answered" if node.last_seen is None else f"last seen {format_duration(now - node.last_seen)} ago"
+    return f"{short_url(node.url)}: {node.error} · {seen}"
+
+
+def _runs(runs: list[tuple[int, int]]) -> str:
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)

@@ -1,0 +1,234 @@
+"""What the console has learned about the mesh, as plain data: no Textual here, so it is testable alone.
+
+Times are local clock seconds unless a name says otherwise. A node's own clock is reached through
+:attr:`NodeState.clock_offset`, so TTL countdowns can tick locally between polls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from daemon.api import ModelSummary, NodeStatus, RouteInfo, SessionInfo, SessionList
+
+GRAPH_POINTS = 60  # samples kept for each tokens/s graph
+LOADING_LINES = 4  # start-up lines kept per local node
+
+
+@dataclass
+class NodeState:
+    """One daemon as the poller last saw it. ``status`` survives a failed poll so a down node keeps its place."""
+
+    url: str
+    status: NodeStatus | None = None
+    sessions: SessionList | None = None
+    error: str | None = None
+    polled: bool = False
+    last_seen: float | None = None
+    clock_offset: float = 0.0  # the node's clock minus ours, measured when its session list arrived
+    tokens_per_second: list[float] = field(default_factory=list)  # token positions run here, per poll interval
+    steps_per_second: list[float] = field(default_factory=list)
+
+    @property
+    def up(self) -> bool:
+        return self.polled and self.error is None
+
+    @property
+    def live_sessions(self) -> list[SessionInfo]:
+        """Sessions worth showing: a down node's list is stale, so none."""
+        return self.sessions.sessions if self.up and self.sessions else []
+
+    def record(self, status: NodeStatus | None, sessions: SessionList | None, error: str | None, now: float) -> None:
+        self.polled = True
+        self.error = error
+        if error is None:
+            self.last_seen = now
+        if status is not None:
+            self._record_rates(status)
+            self.status = status
+        if sessions is not None:
+            self.sessions = sessions
+            self.clock_offset = sessions.time - now
+
+    def _record_rates(self, status: NodeStatus) -> None:
+        previous = self.status
+        if previous is None or previous.started_at != status.started_at or status.time <= previous.time:
+            return  # first sight, or the daemon restarted: its counters started again from zero
+        elapsed = status.time - previous.time
+        tokens = max(0, status.tokens_served - previous.tokens_served) / elapsed
+        steps = max(0, status.steps_served - previous.steps_served) / elapsed
+        # new lists, never appended in place: a Sparkline only repaints when given a new object
+        self.tokens_per_second = [*self.tokens_per_second, tokens][-GRAPH_POINTS:]
+        self.steps_per_second = [*self.steps_per_second, steps][-GRAPH_POINTS:]
+
+    def node_time(self, now: float) -> float:
+        """What the node's clock reads when ours reads ``now``."""
+        return now + self.clock_offset
+
+    def ttl_left(self, session: SessionInfo, now: float) -> float:
+        return max(0.0, session.expires_at - self.node_time(now))
+
+    def idle_for(self, session: SessionInfo, now: float) -> float:
+        return max(0.0, self.node_time(now) - session.last_used)
+
+    def forget_session(self, session_id: str) -> None:
+        if self.sessions is not None:
+            self.sessions.sessions = [s for s in self.sessions.sessions if s.session_id != session_id]
+
+
+@dataclass
+class GenerationRecord:
+    """One answer streamed from the head: its chunks as they arrived and the daemon's final statistics."""
+
+    number: int
+    prompt: str
+    started_at: float
+    text: str = ""
+    chunk_times: list[float] = field(default_factory=list)  # local arrival time of each chunk with text
+    stats: dict = field(default_factory=dict)  # the daemon's ``meshnet`` block, once the last chunk came
+    outcome: str = "streaming"  # streaming | done | cancelled | failed
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome != "streaming"
+
+    @property
+    def tokens(self) -> int:
+        return self.stats.get("completion_tokens") or len(self.chunk_times)
+
+    def add_text(self, text: str, at: float) -> None:
+        self.text += text
+        self.chunk_times.append(at)
+
+    def rates(self, window: int = 4) -> list[float]:
+        """Tokens/s at each chunk's arrival, over the last ``window`` intervals (a chunk is about a token)."""
+        times = self.chunk_times
+        rates = []
+        for i in range(1, len(times)):
+            first = max(0, i - window)
+            elapsed = times[i] - times[first]
+            if elapsed > 0:
+                rates.append((i - first) / elapsed)
+        return rates[-GRAPH_POINTS:]
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """The daemon's decode rate when it reported one, else what the chunk arrivals measured."""
+        if self.stats.get("decode_tokens_per_second"):
+            return self.stats["decode_tokens_per_second"]
+        times = self.chunk_times
+        if len(times) > 1 and times[-1] > times[0]:
+            return (len(times) - 1) / (times[-1] - times[0])
+        return None
+
+
+@dataclass
+class MeshState:
+    """Everything the views draw: nodes by URL (head first), the head's route, start-up lines, chat history."""
+
+    head_url: str | None = None
+    nodes: dict[str, NodeState] = field(default_factory=dict)
+    route: RouteInfo | None = None
+    route_error: str | None = None
+    starting: bool = False  # a local mesh is being started for us
+    loading: dict[str, list[str]] = field(default_factory=dict)  # local node label -> latest start-up lines
+    loading_error: str | None = None
+    generations: list[GenerationRecord] = field(default_factory=list)
+    conversation: list[dict] = field(default_factory=list)  # finished turns, as sent to the head
+
+    def set_head(self, url: str) -> None:
+        self.head_url = url
+        self.nodes = {url: self.nodes.get(url) or NodeState(url)} | {u: n for u, n in self.nodes.items() if u != url}
+
+    def add_node(self, url: str) -> bool:
+        if url in self.nodes:
+            return False
+        self.nodes[url] = NodeState(url)
+        return True
+
+    def remove_node(self, url: str) -> bool:
+        if url == self.head_url:
+            return False
+        return self.nodes.pop(url, None) is not None
+
+    def node_urls(self) -> list[str]:
+        return list(self.nodes)
+
+    def record_poll(self, url: str, status: NodeStatus | None, sessions: SessionList | None,
+                    error: str | None, now: float) -> None:
+        """Apply one node's poll; the head's peer list adds nodes the console was not told about."""
+        node = self.nodes.get(url)
+        if node is None:
+            return  # removed while its poll was in flight
+        node.record(status, sessions, error, now)
+        if url == self.head_url and status is not None:
+            for peer in status.peers:
+                self.add_node(peer.url)
+
+    def record_route(self, route: RouteInfo | None, error: str | None) -> None:
+        self.route_error = error
+        if route is not None:
+            self.route = route
+
+    @property
+    def current_route(self) -> RouteInfo | None:
+        """The head's route, unless the head stopped answering: then the last one known is stale."""
+        return self.route if self.route_error is None else None
+
+    @property
+    def model(self) -> ModelSummary | None:
+        """The model as the head reports it, else as any node does."""
+        statuses = [n.status for n in self.nodes.values() if n.status is not None]
+        head = self.nodes.get(self.head_url) if self.head_url else None
+        if head is not None and head.status is not None:
+            return head.status.model
+        return statuses[0].model if statuses else None
+
+    def coverage(self) -> list[int]:
+        """How many up nodes host each layer of the model: 0 is a gap, above 1 an overlap."""
+        model = self.model
+        ranges = [(n.status.start, n.status.end) for n in self.nodes.values() if n.up and n.status is not None]
+        return layer_coverage(model.num_layers if model else 0, ranges)
+
+    def add_loading_line(self, label: str, line: str) -> None:
+        self.loading[label] = [*self.loading.get(label, []), line][-LOADING_LINES:]
+
+    def start_generation(self, prompt: str, now: float) -> GenerationRecord:
+        record = GenerationRecord(number=len(self.generations) + 1, prompt=prompt, started_at=now)
+        self.generations.append(record)
+        return record
+
+    def generation(self, number: int) -> GenerationRecord | None:
+        return self.generations[number - 1] if 0 < number <= len(self.generations) else None
+
+    def request_messages(self, prompt: str) -> list[dict]:
+        """The whole conversation plus the new prompt: the head keeps no chat history of its own."""
+        return [*self.conversation, {"role": "user", "content": prompt}]
+
+    def finish_generation(self, record: GenerationRecord, outcome: str, error: str | None = None) -> None:
+        record.outcome, record.error = outcome, error
+        # a cancelled answer stays in the history as far as it got: it is what the operator saw
+        if record.text and outcome in ("done", "cancelled"):
+            self.conversation += [{"role": "user", "content": record.prompt},
+                                  {"role": "assistant", "content": record.text}]
+
+
+def layer_coverage(num_layers: int, ranges: list[tuple[int, int]]) -> list[int]:
+    """How many of the half-open ``ranges`` contain each layer ``0..num_layers-1``."""
+    counts = [0] * num_layers
+    for start, end in ranges:
+        for layer in range(max(0, start), min(end, num_layers)):
+            counts[layer] += 1
+    return counts
+
+
+def layer_runs(counts: list[int], want) -> list[tuple[int, int]]:
+    """Inclusive ``(first, last)`` runs of layers whose count satisfies ``want``: gaps, overlaps."""
+    runs: list[tuple[int, int]] = []
+    for layer, count in enumerate(counts):
+        if want(count):
+            if runs and runs[-1][1] == layer - 1:
+                runs[-1] = (runs[-1][0], layer)
+            else:
+                runs.append((layer, layer))
+    return runs

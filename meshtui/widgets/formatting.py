@@ -1,0 +1,45 @@
+"""How numbers, times and addresses read on screen."""
+
+from __future__ import annotations
+
+
+def short_url(url: str) -> str:
+    """``http://127.0.0.1:7070`` -> ``127.0.0.1:7070``: the scheme only costs columns."""
+    return url.split("://", 1)[-1]
+
+
+def format_bytes(count: int | None) -> str:
+    if count is None:
+        return "—"
+    size = float(count)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GB"
+
+
+def format_duration(seconds: float) -> str:
+    """``75`` -> ``1m 15s``; whole seconds, since that is how fast the countdowns tick."""
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m {seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m"
+
+
+def format_rate(value: float | None, unit: str = "tok/s") -> str:
+    if value is None:
+        return "—"
+    return f"{value:.1f} {unit}" if unit else f"{value:.1f}"
+
+
+def format_ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0f} ms"
+
+
+def plural(count: int, singular: str, many: str | None = None) -> str:
+    return f"{count} {singular if count == 1 else many or singular + 's'}"

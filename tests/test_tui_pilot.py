@@ -1,0 +1,329 @@
+"""The console driven by keys against stub daemons on 127.0.0.1: chat, cancel, evict, peers, keys, down/up.
+
+The stub serves the JSON shapes of ``daemon.api`` and an SSE chat stream, and records what the
+console asked of it, so these tests run the console's real HTTP client without loading a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from textual.command import CommandList
+from textual.pilot import Pilot
+from textual.widgets import Input, Markdown, Static, TabbedContent
+from textual.worker import WorkerState
+
+from meshtui.app import MeshApp
+from meshtui.config import ConsoleConfig
+from meshtui.messages import NodePolled
+from meshtui.screens.modals import ConfirmScreen, PeerScreen
+from meshtui.screens.settings import ChatSettingsScreen
+from meshtui.widgets.keyed_table import KeyedTable
+from tests.meshtest import start_mesh
+from tests.tui_data import (
+    HEAD,
+    HEAD_SESSIONS,
+    NOW,
+    WORKER_SESSIONS,
+    FrozenClock,
+    StubDaemon,
+    node_status,
+    session,
+    session_list,
+)
+
+SIZE = (100, 32)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+async def daemons():
+    """``await daemons(start, end, ...)`` -> a started :class:`StubDaemon`, stopped at teardown."""
+    started: list[StubDaemon] = []
+
+    async def start(*args, **kwargs) -> StubDaemon:
+        daemon = StubDaemon(*args, **kwargs)
+        await daemon.start()
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        await daemon.stop()
+
+
+async def wait_until(pilot: Pilot, condition, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.02)
+
+
+def text_of(widget: Static) -> str:
+    return str(widget.render())
+
+
+async def ask(pilot: Pilot, prompt: str) -> None:
+    app: MeshApp = pilot.app
+    if app.query_one(TabbedContent).active != "chat":
+        await pilot.press("4")
+    await pilot.press(*prompt, "enter")
+
+
+async def test_prompt_streams_an_answer_and_keeps_the_conversation(daemons):
+    head = await daemons(0, 30)
+    app = MeshApp(ConsoleConfig(), head_url=head.url, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, "hi")
+        await wait_until(pilot, lambda: app.state.generations and app.state.generations[-1].finished, "the answer")
+        first = app.state.generations[-1]
+        assert (first.outcome, first.text) == ("done", "Hello from the **mesh**.")
+        assert app.main.chat_view.query(Markdown).last().source == first.text
+        stats = text_of(app.main.chat_view.query(".answer-stats").last())
+        assert "4 tokens" in stats and "42.0 tok/s" in stats and "0 cache misses" in stats
+        request = head.chat_requests[-1]
+        assert request["messages"] == [{"role": "user", "content": "hi"}]
+        assert request["stream"] is True and request["temperature"] == 0.0 and request["max_tokens"] == 256
+
+        await ask(pilot, "more")
+        await wait_until(pilot, lambda: len(app.state.generations) == 2 and app.state.generations[-1].finished,
+                         "the second answer")
+        assert head.chat_requests[-1]["messages"] == [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Hello from the **mesh**."},
+            {"role": "user", "content": "more"},
+        ]
+
+
+async def test_escape_cancels_a_streaming_answer(daemons):
+    head = await daemons(0, 30, answer=[f" t{i}" for i in range(10)], hold_after=3)
+    app = MeshApp(ConsoleConfig(), head_url=head.url, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, "count")
+        await wait_until(pilot, lambda: app.state.generations and len(app.state.generations[0].chunk_times) == 3,
+                         "three tokens")
+        (worker,) = [w for w in app.workers if w.group == "chat"]
+        assert "answering #1" in text_of(app.main.chat_view.query_one("#chat-status"))
+        await pilot.press("escape")
+        record = app.state.generations[0]
+        await wait_until(pilot, lambda: record.finished, "the cancellation")
+        assert record.outcome == "cancelled"
+        assert worker.state == WorkerState.CANCELLED
+        assert text_of(app.main.chat_view.query(".answer-stats").last()) == "cancelled after 3 tokens"
+        await wait_until(pilot, head.client_left.is_set, "the head to see the stream closed")
+        # the partial answer stays in the conversation: it is what the operator saw
+        assert app.state.conversation[-1] == {"role": "assistant", "content": " t0 t1 t2"}
+
+
+async def test_evict_asks_first_then_evicts_on_the_right_node(daemons):
+    shared_id = WORKER_SESSIONS[0].session_id  # the same generation's session lives on both nodes
+    worker = await daemons(15, 30, sessions=WORKER_SESSIONS)
+    head = await daemons(0, 15, peers=[worker.url], sessions=HEAD_SESSIONS)
+    app = MeshApp(ConsoleConfig(poll_seconds=0.2), head_url=head.url, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        table = app.main.sessions_view.query_one("#sessions", KeyedTable)
+        await wait_until(pilot, lambda: table.row_count == 3, "three sessions from two nodes")
+        await pilot.press("2")
+        table.move_cursor(row=table.get_row_index(f"{worker.url} {shared_id}"))
+
+        await pilot.press("e")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("n")
+        assert not isinstance(app.screen, ConfirmScreen) and worker.deleted == []
+
+        await pilot.press("e", "y")
+        await wait_until(pilot, lambda: worker.deleted == [shared_id], "the eviction")
+        assert head.deleted == []
+        await wait_until(pilot, lambda: table.row_count == 2, "the evicted row to go")
+        assert f"{head.url} {shared_id}" in [row.value for row in table.rows]
+
+
+async def test_add_and_remove_a_peer_write_the_config_and_tell_the_head(daemons, tmp_path):
+    head = await daemons(0, 30)
+    config = ConsoleConfig(path=tmp_path / "meshtui.toml")
+    app = MeshApp(config, head_url=head.url, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("a")
+        assert isinstance(app.screen, PeerScreen)
+        await pilot.press(*"127.0.0.1:7999", "enter")
+        await wait_until(pilot, lambda: head.peer_requests, "the head to hear of the peer")
+        assert head.peer_requests == [("add", "http://127.0.0.1:7999")]
+        assert ConsoleConfig.load(config.path).peers == ["http://127.0.0.1:7999"]
+        assert "http://127.0.0.1:7999" in app.state.nodes
+
+        await pilot.press("r")  # offers the one configured peer
+        assert app.screen.query_one(Input).value == "http://127.0.0.1:7999"
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(head.peer_requests) == 2, "the removal")
+        assert head.peer_requests[-1] == ("remove", "http://127.0.0.1:7999")
+        assert ConsoleConfig.load(config.path).peers == []
+        assert "http://127.0.0.1:7999" not in app.state.nodes
+
+
+async def test_sampling_settings_are_saved_and_used(daemons, tmp_path):
+    head = await daemons(0, 30)
+    config = ConsoleConfig(path=tmp_path / "meshtui.toml")
+    app = MeshApp(config, head_url=head.url, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("4", "ctrl+s")
+        assert isinstance(app.screen, ChatSettingsScreen)
+        app.screen.query_one("#temperature", Input).value = "3"
+        await pilot.click("#save")
+        assert isinstance(app.screen, ChatSettingsScreen)  # out of range: the dialog says so and stays
+        assert "between 0.0 and 2.0" in text_of(app.screen.query_one("#problem"))
+        temperature = app.screen.query_one("#temperature", Input)
+        temperature.value = "0.7"
+        app.screen.query_one("#seed", Input).value = "42"
+        temperature.focus()
+        await pilot.press("enter")  # Enter in any field saves too
+        assert ConsoleConfig.load(config.path).chat.temperature == 0.7
+        await ask(pilot, "hi")
+        await wait_until(pilot, lambda: head.chat_requests, "the request")
+        assert head.chat_requests[0]["temperature"] == 0.7 and head.chat_requests[0]["seed"] == 42
+
+
+async def test_ttl_countdown_ticks_on_the_local_clock():
+    clock = FrozenClock()
+    app = MeshApp(ConsoleConfig(), head_url=HEAD, poll=False, clock=clock)
+    node_clock_ahead = 100.0  # the daemon's clock runs 100 s ahead of ours: only its own times matter
+    node_now = NOW + node_clock_ahead
+    sessions = [session("5d1e0c9a7b3f2e4d6c8a0b1c", 48, 0, idle=3, ttl_left=597, time=node_now)]
+    async with app.run_test(size=SIZE) as pilot:
+        app.post_message(NodePolled(HEAD, node_status(HEAD, 0, 30), session_list(sessions, time=node_now)))
+        await pilot.pause()
+        table = app.main.sessions_view.query_one("#sessions", KeyedTable)
+        key = f"{HEAD} 5d1e0c9a7b3f2e4d6c8a0b1c"
+        assert str(table.get_cell(key, "ttl")) == "9m 57s"
+        assert str(table.get_cell(key, "used")) == "3s ago"
+        clock.advance(5)
+        app.tick()
+        await pilot.pause()
+        assert str(table.get_cell(key, "ttl")) == "9m 52s"
+        assert str(table.get_cell(key, "used")) == "8s ago"
+        clock.advance(600)
+        app.tick()
+        await pilot.pause()
+        assert str(table.get_cell(key, "ttl")) == "expiring"
+
+
+async def test_a_node_that_stops_answering_shows_down_and_comes_back(daemons):
+    worker = await daemons(15, 30)
+    head = await daemons(0, 15, peers=[worker.url])  # the console learns of the worker from the head
+    app = MeshApp(ConsoleConfig(poll_seconds=0.2), head_url=head.url)
+    async with app.run_test(size=SIZE) as pilot:
+        nodes = app.main.mesh_view.query_one("#nodes", KeyedTable)
+
+        def state_of(url: str) -> str:
+            return str(nodes.get_cell(url, "state")) if url in [r.value for r in nodes.rows] else ""
+
+        await wait_until(pilot, lambda: state_of(worker.url) == "● up", "the worker up")
+        await worker.stop()
+        await wait_until(pilot, lambda: state_of(worker.url) == "✕ down", "the worker down")
+        assert state_of(head.url) == "● up"
+        assert "connection refused" in text_of(app.main.mesh_view.query_one("#node-errors"))
+        await worker.start()
+        await wait_until(pilot, lambda: state_of(worker.url) == "● up", "the worker back up")
+
+
+async def test_keys_remapped_in_the_config_work_and_show():
+    config = ConsoleConfig(keys={"view.sessions": "s", "session.evict": "x"})
+    app = MeshApp(config, head_url=HEAD, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        tabs = app.query_one(TabbedContent)
+        await pilot.press("2")
+        assert tabs.active == "mesh"  # the default key is gone
+        await pilot.press("s")
+        assert tabs.active == "sessions"
+        shown = {key: active.binding.id for key, active in app.screen.active_bindings.items()}
+        assert shown.get("s") == "view.sessions" and shown.get("x") == "session.evict"
+        help_rows = {row.binding_id: row.keys for row in app.main.binding_help()}
+        assert help_rows["view.sessions"] == "s" and help_rows["session.evict"] == "x"
+
+
+async def test_the_command_palette_offers_every_action():
+    app = MeshApp(ConsoleConfig(), head_url=HEAD, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        titles = {command.title for command in app.get_system_commands(app.screen)}
+        assert {"Show Mesh", "Show Sessions", "Show Throughput", "Show Chat", "Evict session", "Cancel answer",
+                "Sampling settings", "Add peer", "Remove peer", "Poll now", "Key bindings", "Theme"} <= titles
+        await pilot.press("ctrl+p", *"Show Sessions")
+        results = app.screen.query_one(CommandList)
+        await wait_until(pilot, lambda: results.option_count > 0, "the palette to search (in the background)")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.query_one(TabbedContent).active == "sessions", "the Sessions view")
+
+
+class QuickLocalMesh:
+    """A local mesh that is up at once, on a stub daemon, and counts how often it is stopped."""
+
+    def __init__(self, head: StubDaemon) -> None:
+        self.head_url = head.url
+        self.urls = [head.url]
+        self.stopped = 0
+
+    async def start(self, progress) -> None:
+        progress("node 0-29", "loading layers 0-29")
+        await asyncio.sleep(0.05)
+        progress("node 0-29", f"listening on {self.head_url}")
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+
+async def test_a_local_mesh_is_started_shown_and_stopped(daemons):
+    head = await daemons(0, 30)
+    mesh = QuickLocalMesh(head)
+    app = MeshApp(ConsoleConfig(poll_seconds=0.2), local_mesh=mesh, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.head_url == head.url, "the local head")
+        assert app.state.loading["node 0-29"][-1] == f"listening on {head.url}"
+        assert not app.main.mesh_view.loading_panel.display
+        await wait_until(pilot, lambda: app.state.nodes[head.url].up, "the local head to answer")
+        await pilot.press("ctrl+q")
+    assert mesh.stopped >= 1
+
+
+async def test_the_console_against_a_real_two_node_mesh(default_model, tmp_path):
+    """Real meshd daemons: the shapes, the stream and the eviction as the daemon really serves them."""
+    daemons = await asyncio.to_thread(start_mesh, default_model, [("0-14", []), ("15-29", [])], log_dir=tmp_path)
+    try:
+        head, worker = daemons
+        config = ConsoleConfig(poll_seconds=0.3)
+        config.chat.max_tokens = 12
+        app = MeshApp(config, head_url=head.url)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: sum(n.up for n in app.state.nodes.values()) == 2, "both nodes up",
+                             timeout=15)
+            await wait_until(pilot, lambda: app.state.route and len(app.state.route.hops) == 2, "a route")
+            assert app.state.coverage() == [1] * 30
+
+            await ask(pilot, "Say hello in five words.")
+            await wait_until(pilot, lambda: app.state.generations and app.state.generations[-1].finished,
+                             "the answer", timeout=120)
+            answer = app.state.generations[-1]
+            assert answer.outcome == "done" and answer.text and answer.stats["completion_tokens"] > 0
+
+            # the head drops its session when an answer ends; the worker keeps it until its TTL
+            session_id = answer.stats["session_id"]
+            table = app.main.sessions_view.sessions
+            key = f"{worker.url} {session_id}"
+            await wait_until(pilot, lambda: key in [row.value for row in table.rows], "the worker's session")
+            await pilot.press("escape", "2")
+            table.move_cursor(row=table.get_row_index(key))
+            await pilot.press("e", "y")
+            await wait_until(pilot, lambda: key not in [row.value for row in table.rows], "the eviction")
+            assert session_id not in [s["session_id"] for s in worker.get("/v1/sessions")["sessions"]]
+    finally:
+        for daemon in daemons:
+            await asyncio.to_thread(daemon.stop)
+
+
+def test_the_console_does_not_import_torch():
+    code = "import meshtui.app, sys; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)

@@ -1,0 +1,271 @@
+"""SVG snapshots of every console view.
+
+As in memray's live TUI tests: polling is off, the clock is frozen, and data arrives as the very
+messages the poller and the chat worker post, so the real handlers draw every screen. Update the
+baselines with ``pytest tests/test_tui_snapshots.py --snapshot-update`` and look at the SVGs.
+"""
+
+from __future__ import annotations
+
+from textual.pilot import Pilot
+from textual.widgets import Input, Markdown
+
+from daemon.api import RouteInfo
+from meshtui.app import MeshApp
+from meshtui.client import ChatChunk
+from meshtui.config import ConsoleConfig
+from meshtui.messages import NodePolled, RoutePolled
+from tests.tui_data import (
+    HEAD,
+    HEAD_SESSIONS,
+    NOW,
+    WORKER,
+    WORKER_SESSIONS,
+    FrozenClock,
+    ScriptedChat,
+    StartingMesh,
+    node_status,
+    session_list,
+    two_node_route,
+)
+
+SIZE = (100, 32)
+UNEVEN_STEPS = (0.08, 0.09, 0.1, 0.12, 0.2, 0.1, 0.09, 0.08, 0.08, 0.11)  # seconds between chunks
+ANSWER = ("A **KV cache** keeps each layer's keys and values, so a decode step sends only the newest "
+          "token through the mesh:\n\n- node 1 runs layers `0-14`\n- node 2 runs layers `15-29`\n\n"
+          "Each hop keeps its own")
+FINAL_STATS = {"session_id": "5d1e0c9a7b3f2e4d6c8a0b1c", "prompt_tokens": 31, "completion_tokens": 42,
+               "prefills": 1, "reprefills": 1, "cache_misses": 1, "prefill_ms": 291.4, "first_token_ms": 318.0,
+               "decode_tokens_per_second": 9.98, "finish_reason": "stop"}
+
+
+def console(clock: FrozenClock | None = None, **kwargs) -> MeshApp:
+    kwargs.setdefault("head_url", HEAD)
+    return MeshApp(ConsoleConfig(), poll=False, clock=clock or FrozenClock(), **kwargs)
+
+
+def answer_chunks(text: str = ANSWER) -> list[ChatChunk]:
+    words = text.split(" ")
+    return [ChatChunk(text="")] + [ChatChunk(text=w if i == 0 else " " + w) for i, w in enumerate(words)]
+
+
+def steady(app: MeshApp) -> None:
+    """No blinking cursors: a snapshot must not depend on when it was taken."""
+    for prompt in app.screen.query(Input):
+        prompt.cursor_blink = False
+
+
+async def ready(pilot: Pilot) -> None:
+    """Unlike run_test, the snapshot autopilot starts before the first screen has composed: wait for it."""
+    for _ in range(200):
+        if pilot.app.screen.is_mounted:
+            return
+        await pilot.pause(0.01)
+    raise AssertionError("the main screen never mounted")
+
+
+async def settle(pilot: Pilot, until=lambda: True) -> None:
+    for _ in range(100):
+        await pilot.pause()
+        if until():
+            break
+    steady(pilot.app)
+    await pilot.pause()
+
+
+def post_healthy_mesh(app: MeshApp) -> None:
+    app.post_message(NodePolled(HEAD, node_status(HEAD, 0, 15, peers=[WORKER], steps_served=1204, sessions=2),
+                                session_list(HEAD_SESSIONS, hits=96, misses=1)))
+    app.post_message(NodePolled(WORKER, node_status(WORKER, 15, 30, steps_served=1187, active_steps=1, sessions=1),
+                                session_list(WORKER_SESSIONS, hits=95, misses=1, evictions={"ttl": 2})))
+    app.post_message(RoutePolled(two_node_route()))
+
+
+def test_mesh_healthy(snap_compare):
+    app = console()
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        post_healthy_mesh(app)
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_mesh_small_terminal(snap_compare):
+    app = console()
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        post_healthy_mesh(app)
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_mesh_loading_local_daemons(snap_compare):
+    mesh = StartingMesh([
+        ("node 0-14", "fetching SmolLM2-135M-Instruct from the package index"),
+        ("node 0-14", "converting the GGUF file to safetensors (once)"),
+        ("node 0-14", "loading layers 0-14 and the embeddings"),
+        ("node 15-29", "loading layers 15-29, final norm and LM head"),
+    ])
+    app = console(head_url=None, local_mesh=mesh)
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        await settle(pilot, until=lambda: len(app.state.loading) == 2)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_mesh_node_down(snap_compare):
+    clock = FrozenClock()
+    app = console(clock)
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        post_healthy_mesh(app)
+        await settle(pilot)
+        clock.advance(7)
+        app.post_message(NodePolled(WORKER, None, None, "connection refused"))
+        app.post_message(RoutePolled(RouteInfo(error="no node hosts layers 15-29")))
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_mesh_coverage_gap_and_overlap(snap_compare):
+    third = "http://10.0.0.3:7071"
+    app = console()
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        app.post_message(NodePolled(HEAD, node_status(HEAD, 0, 10, peers=[WORKER, third]), session_list([])))
+        app.post_message(NodePolled(WORKER, node_status(WORKER, 8, 20), session_list([])))
+        app.post_message(NodePolled(third, node_status(third, 22, 30), session_list([])))
+        app.post_message(RoutePolled(RouteInfo(error="no node hosts layers 20-21")))
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_sessions_ttl_countdown(snap_compare):
+    clock = FrozenClock()
+    app = console(clock)
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        post_healthy_mesh(app)
+        await pilot.press("2")
+        clock.advance(10)  # ten local seconds later, with no poll in between
+        app.tick()
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_sessions_evict_confirmation(snap_compare):
+    app = console()
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        post_healthy_mesh(app)
+        await pilot.press("2", "down", "e")
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_throughput_with_data(snap_compare):
+    clock = FrozenClock()
+    app = console(clock)
+    app.client = ScriptedChat(answer_chunks() + [ChatChunk(finish_reason="stop", stats=FINAL_STATS)], clock,
+                              steps=UNEVEN_STEPS)
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        for second, (head_tokens, worker_tokens) in enumerate([(0, 0), (40, 40), (52, 52), (61, 61), (70, 70),
+                                                                (80, 80), (88, 88), (100, 100), (140, 140)]):
+            time = NOW + second
+            app.post_message(NodePolled(HEAD, node_status(HEAD, 0, 15, peers=[WORKER], time=time,
+                                                          tokens_served=head_tokens, steps_served=head_tokens),
+                                        session_list(HEAD_SESSIONS, time=time)))
+            app.post_message(NodePolled(WORKER, node_status(WORKER, 15, 30, time=time, tokens_served=worker_tokens,
+                                                            steps_served=worker_tokens // 2),
+                                        session_list(WORKER_SESSIONS, time=time)))
+        await pilot.press("4")
+        await pilot.press(*"why a kv cache")
+        await pilot.press("enter")
+        await settle(pilot, until=lambda: bool(app.state.generations) and app.state.generations[-1].finished)
+        await pilot.press("escape", "3")  # Esc leaves the prompt, so the next key switches views
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_chat_mid_stream(snap_compare):
+    clock = FrozenClock()
+    app = console(clock)
+    chunks = answer_chunks()
+    app.client = ScriptedChat(chunks, clock, steps=UNEVEN_STEPS, hold=True)
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        post_healthy_mesh(app)
+        await pilot.press("4")
+        await pilot.press(*"Explain the KV cache in one paragraph")
+        await pilot.press("enter")
+        await settle(pilot, until=lambda: app.main.chat_view.query(Markdown) and
+                     app.main.chat_view.query(Markdown).last().source == ANSWER)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_chat_answered(snap_compare):
+    clock = FrozenClock()
+    app = console(clock)
+    app.client = ScriptedChat(answer_chunks("Layers **0-14** run here; **15-29** on the worker.")
+                              + [ChatChunk(finish_reason="stop", stats=FINAL_STATS)], clock)
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        await pilot.press("4")
+        await pilot.press(*"Where do the layers run?")
+        await pilot.press("enter")
+        await settle(pilot, until=lambda: bool(app.state.generations) and app.state.generations[-1].finished)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_chat_sampling_settings(snap_compare):
+    app = console()
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        await pilot.press("4", "ctrl+s")
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_add_peer_dialog(snap_compare):
+    app = console()
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        await pilot.press("a", *"10.0.0.7:7071")
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_help_screen(snap_compare):
+    app = console()
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        await pilot.press("f1")
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

@@ -1,0 +1,103 @@
+"""What the console learns from polls and answers, as plain data: no Textual, no network."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtui.state import GenerationRecord, MeshState, NodeState, layer_coverage, layer_runs
+from tests.tui_data import HEAD, NOW, WORKER, node_status, session, session_list
+
+
+def test_node_rates_come_from_counter_growth_between_polls():
+    node = NodeState(WORKER)
+    node.record(node_status(WORKER, 15, 30, time=NOW, tokens_served=100, steps_served=10), None, None, NOW)
+    assert node.tokens_per_second == []  # one poll is no rate yet
+    first = node.tokens_per_second
+    node.record(node_status(WORKER, 15, 30, time=NOW + 2, tokens_served=180, steps_served=14), None, None, NOW + 2)
+    assert node.tokens_per_second == [40.0] and node.steps_per_second == [2.0]
+    assert node.tokens_per_second is not first  # a new list, so a Sparkline repaints
+
+
+def test_a_restarted_node_starts_its_rates_again():
+    node = NodeState(WORKER)
+    node.record(node_status(WORKER, 15, 30, time=NOW, tokens_served=500), None, None, NOW)
+    restarted = node_status(WORKER, 15, 30, time=NOW + 1, tokens_served=3)
+    restarted.started_at = NOW + 0.5
+    node.record(restarted, None, None, NOW + 1)
+    assert node.tokens_per_second == []
+
+
+def test_a_failed_poll_keeps_the_last_status_and_hides_the_sessions():
+    node = NodeState(WORKER)
+    node.record(node_status(WORKER, 15, 30), session_list([session("s1", 4, 15, idle=1, ttl_left=60)]), None, NOW)
+    node.record(None, None, "timed out", NOW + 5)
+    assert not node.up and node.status is not None and node.last_seen == NOW
+    assert node.live_sessions == []
+
+
+def test_ttl_counts_down_on_the_nodes_clock():
+    node = NodeState(HEAD)
+    node_clock = NOW + 30  # the node's clock runs 30 s ahead of ours
+    entry = session("s1", 4, 0, idle=2, ttl_left=100, time=node_clock)
+    node.record(None, session_list([entry], time=node_clock), None, NOW)
+    assert node.ttl_left(entry, NOW) == 100
+    assert node.ttl_left(entry, NOW + 40) == 60
+    assert node.idle_for(entry, NOW + 40) == 42
+    assert node.ttl_left(entry, NOW + 500) == 0
+
+
+def test_the_head_comes_first_and_brings_its_peers():
+    mesh = MeshState()
+    mesh.add_node(WORKER)
+    mesh.set_head(HEAD)
+    assert mesh.node_urls() == [HEAD, WORKER]
+    third = "http://10.0.0.3:7071"
+    mesh.record_poll(HEAD, node_status(HEAD, 0, 15, peers=[WORKER, third]), None, None, NOW)
+    assert mesh.node_urls() == [HEAD, WORKER, third]
+    assert not mesh.remove_node(HEAD) and mesh.remove_node(third)
+
+
+def test_coverage_counts_only_nodes_that_are_up():
+    mesh = MeshState()
+    mesh.set_head(HEAD)
+    mesh.add_node(WORKER)
+    mesh.record_poll(HEAD, node_status(HEAD, 0, 16), None, None, NOW)
+    mesh.record_poll(WORKER, node_status(WORKER, 14, 30), None, None, NOW)
+    counts = mesh.coverage()
+    assert layer_runs(counts, lambda c: c > 1) == [(14, 15)] and layer_runs(counts, lambda c: c == 0) == []
+    mesh.record_poll(WORKER, None, None, "connection refused", NOW + 1)
+    assert layer_runs(mesh.coverage(), lambda c: c == 0) == [(16, 29)]
+    assert layer_coverage(4, [(0, 2), (3, 9)]) == [1, 1, 0, 1]
+
+
+def test_answer_rates_and_the_conversation():
+    record = GenerationRecord(number=1, prompt="hi", started_at=NOW)
+    for i, at in enumerate([0.0, 0.1, 0.2, 0.4]):
+        record.add_text(f"t{i} ", NOW + at)
+    assert record.rates(window=2) == pytest.approx([10.0, 10.0, 2 / 0.3], rel=1e-4)
+    assert record.tokens == 4 and record.tokens_per_second == pytest.approx(7.5, rel=1e-4)
+    record.stats = {"completion_tokens": 5, "decode_tokens_per_second": 9.5}
+    assert record.tokens == 5 and record.tokens_per_second == 9.5
+
+    mesh = MeshState()
+    failed = mesh.start_generation("first", NOW)
+    mesh.finish_generation(failed, "failed", "timed out")
+    assert mesh.conversation == []
+    cancelled = mesh.start_generation("second", NOW)
+    cancelled.add_text("half an", NOW)
+    mesh.finish_generation(cancelled, "cancelled")
+    assert mesh.request_messages("third") == [
+        {"role": "user", "content": "second"},
+        {"role": "assistant", "content": "half an"},
+        {"role": "user", "content": "third"},
+    ]
+
+
+def test_state_client_and_config_know_nothing_of_textual():
+    code = ("import sys, meshtui.state, meshtui.client, meshtui.config; "
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('textual', 'torch')]")
+    subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, check=True, timeout=60)
