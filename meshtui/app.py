@@ -44,7 +44,8 @@ class MeshApp(App[None]):
     CSS_PATH = "meshtui.tcss"
     TITLE = "meshtui"
 
-    BINDINGS = [Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True, show=False)]
+    # Ctrl+C quits too: an operator expects it to end the console and the daemons it started
+    BINDINGS = [Binding("ctrl+q,ctrl+c", "quit", "Quit", id="app.quit", priority=True, show=False)]
 
     main: MainScreen  # the views, once the app runs
 
