@@ -159,10 +159,18 @@ def _stop_on_signals(app, local_mesh) -> Callable[[], None]:
     def shutdown(signum: int) -> None:
         if local_mesh is not None:
             local_mesh.stop()
+        if signum == getattr(signal, "SIGHUP", None):
+            # the terminal is gone: writes to it block the app's loop forever, and there is nothing to tidy
+            os._exit(128 + signum)
+        # a loop stuck on its terminal must not keep the process alive: give the tidy exit a few seconds
+        watchdog = threading.Timer(5.0, os._exit, args=(128 + signum,))
+        watchdog.daemon = True
+        watchdog.start()
         try:
             app.call_from_thread(app.exit, None, 128 + signum)
         except RuntimeError:  # the app is not running (yet, or any more): nothing to tidy
             os._exit(128 + signum)
+        watchdog.cancel()  # the loop took the request: it is alive and will exit tidily
 
     def handler(signum, _frame) -> None:
         threading.Thread(target=shutdown, args=(signum,), name="meshtui shutdown", daemon=True).start()

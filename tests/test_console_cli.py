@@ -283,3 +283,18 @@ def test_the_console_runs_its_local_mesh_and_stops_it_on_sigterm(tmp_path, tiny_
         assert not any(_answers_health(port) for port in ports)
     finally:
         terminal.close()
+
+
+def test_a_hung_up_terminal_ends_the_console(tmp_path):
+    """Closing the terminal (SIGHUP) ends the console and its daemons; it must not spin on a dead tty."""
+    terminal = Terminal("--connect", "http://127.0.0.1:9", "--config", str(tmp_path / "meshtui.toml"))
+    try:
+        terminal.first_frame()
+        # the terminal window goes away and the session is hung up (sent by hand: this pty is not the
+        # process's controlling terminal, so closing it signals nothing)
+        os.close(terminal.master)
+        terminal.master = os.open(os.devnull, os.O_RDONLY)  # so close() has something to close
+        terminal.proc.send_signal(signal.SIGHUP)
+        assert terminal.proc.wait(timeout=10) == 128 + signal.SIGHUP
+    finally:
+        terminal.close()
