@@ -62,14 +62,14 @@ class StepResult:
     text: str | None = None
 
 
-def read_model_info(folder: Path) -> ModelInfo:
-    """Read the identity of the model in ``folder`` without loading weights."""
+def read_model_info(folder: Path, config=None) -> ModelInfo:
+    """Read the identity of the model in ``folder`` (whose parsed ``config`` may be given) without weights."""
     import hashlib
 
     from transformers import AutoConfig
 
     config_bytes = (folder / "config.json").read_bytes()
-    config = AutoConfig.from_pretrained(folder)
+    config = config or AutoConfig.from_pretrained(folder)
     text = getattr(config, "text_config", None) or config
     return ModelInfo(
         name=folder.name,
@@ -101,8 +101,10 @@ class ModelShard:
         from transformers import AutoConfig
 
         self.folder = Path(folder)
-        self.info = read_model_info(self.folder)
         self.config = AutoConfig.from_pretrained(self.folder)
+        self.info = read_model_info(self.folder, self.config)
+        gen_path = self.folder / "generation_config.json"
+        self._generation = json.loads(gen_path.read_text()) if gen_path.exists() else {}
         n = self.info.num_layers
         if not (0 <= start < end <= n):
             raise ModelUnavailable(
@@ -238,10 +240,7 @@ class ModelShard:
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
-        gen_path = self.folder / "generation_config.json"
-        candidates = [getattr(self.config, "eos_token_id", None)]
-        if gen_path.exists():
-            candidates.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+        candidates = [getattr(self.config, "eos_token_id", None), self._generation.get("eos_token_id")]
         if self.tokenizer is not None:
             candidates.append(self.tokenizer.eos_token_id)
         for c in candidates:
@@ -250,8 +249,7 @@ class ModelShard:
 
     def default_sampling(self) -> dict:
         """Sampling when a request names none: the model's generation config, else greedy."""
-        gen_path = self.folder / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        gen = self._generation
         if not gen.get("do_sample"):
             return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
         return {
