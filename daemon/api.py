@@ -46,9 +46,14 @@ class PeerSummary:
     end: int | None = None
     last_seen: float | None = None
     error: str | None = None
+    learned_from: str | None = None  # None: a seed or added by the operator; else the peer that reported it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PeerSummary:
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
 @dataclass
@@ -73,6 +78,8 @@ class NodeStatus:
     tokens_served: int = 0  # token positions those steps ran through this node's layers
     generations: int = 0  # generations this node ran as head
     tokens_generated: int = 0  # tokens those generations produced
+    node_id: str = ""  # random per run: tells one node apart from its other addresses
+    busy: float = 0.0  # share of the last 10 s spent computing steps, 0..1
 
     @property
     def layers(self) -> str:
@@ -85,7 +92,7 @@ class NodeStatus:
     def from_dict(cls, data: dict[str, Any]) -> NodeStatus:
         data = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         data["model"] = ModelSummary(**data["model"])
-        data["peers"] = [PeerSummary(**p) for p in data.get("peers", [])]
+        data["peers"] = [PeerSummary.from_dict(p) for p in data.get("peers", [])]
         return cls(**data)
 
 
@@ -127,24 +134,41 @@ class RouteHopInfo:
     end_layer: int
     kv_cache: bool
     local: bool
-    latency_ms: float | None = None
+    latency_ms: float | None = None  # moving average of this hop's decode step, end to end
+    overhead_ms: float | None = None  # of which wire, HTTP and queueing
+    compute_ms: float | None = None  # of which the node's compute for this hop's layers
+    samples: int = 0
 
 
 @dataclass
 class RouteInfo:
-    """The head's current route, or why there is none."""
+    """The head's current route (or why there is none), its latency measurements and route changes.
+
+    ``nodes`` maps each measured node's URL to its moving averages (``latency_ms``, ``overhead_ms``,
+    ``layer_ms``, ``samples``, ``failures``, ``age_seconds``); ``events`` lists recent failovers,
+    reroutes and failures to find a route, newest last.
+    """
 
     hops: list[RouteHopInfo] = field(default_factory=list)
     error: str | None = None
     planned_at: float | None = None
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    failovers: int = 0
+    reroutes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RouteInfo:
+        fields = RouteHopInfo.__dataclass_fields__
         return cls(
-            hops=[RouteHopInfo(**h) for h in data.get("hops", [])],
+            hops=[RouteHopInfo(**{k: v for k, v in h.items() if k in fields}) for h in data.get("hops", [])],
             error=data.get("error"),
             planned_at=data.get("planned_at"),
+            nodes=data.get("nodes") or {},
+            events=data.get("events") or [],
+            failovers=data.get("failovers", 0),
+            reroutes=data.get("reroutes", 0),
         )

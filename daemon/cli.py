@@ -41,6 +41,15 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-max-bytes", type=int, help="byte budget of the session caches (default: none)")
     p.add_argument("--wire-dtype", choices=["float32", "float16", "bfloat16"],
                    help="dtype of activations this node sends as head (default float32, exact)")
+    p.add_argument("--route-explore", type=float, metavar="SHARE",
+                   help="share of new generations routed with randomised costs, so stale latency "
+                   "measurements recover (default 0.1; 0 always takes the fastest known route)")
+    p.add_argument("--failover-wait", dest="failover_wait_seconds", type=float, metavar="SECONDS",
+                   help="when a hop fails mid-generation and no other node covers its layers, how long to "
+                   "wait for one (e.g. a restart) before the generation fails (default 15)")
+    p.add_argument("--hop-timeout", dest="hop_timeout_seconds", type=float, metavar="SECONDS",
+                   help="a one-token step on a peer must answer within this, or the peer counts as failed; "
+                   "longer steps get proportionally more (default 10)")
     p.add_argument("--public-url", help="the URL peers use to reach this node (default http://HOST:PORT)")
     p.add_argument("--config", help=f"TOML config file (default {default_config_path()})")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

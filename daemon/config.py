@@ -34,6 +34,9 @@ class NodeConfig:
     max_tokens_default: int = 256
     log_level: str = "info"
     public_url: str | None = None  # how peers reach this node; default http://host:port
+    route_explore: float = 0.1  # share of new generations planned with randomised costs, to re-measure
+    failover_wait_seconds: float = 15.0  # how long a generation waits for a route after a hop fails
+    hop_timeout_seconds: float = 10.0  # a one-token step must answer within this (longer steps get more)
 
     @property
     def url(self) -> str:
@@ -56,6 +59,9 @@ _ENV = {
     "MESHNET_LOG_LEVEL": ("log_level", str),
     "MESHNET_MAX_TOKENS_DEFAULT": ("max_tokens_default", int),
     "MESHNET_PUBLIC_URL": ("public_url", str),
+    "MESHNET_ROUTE_EXPLORE": ("route_explore", float),
+    "MESHNET_FAILOVER_WAIT_SECONDS": ("failover_wait_seconds", float),
+    "MESHNET_HOP_TIMEOUT_SECONDS": ("hop_timeout_seconds", float),
 }
 
 
@@ -95,6 +101,12 @@ def load_config(cli: dict, environ: os._Environ | dict = os.environ, path: Path 
         raise ConfigError(f"wire dtype must be float32, float16 or bfloat16, got {config.wire_dtype!r}")
     if config.threads is not None and config.threads < 1:
         raise ConfigError("threads must be at least 1")
+    if not 0.0 <= config.route_explore <= 1.0:
+        raise ConfigError(f"route explore must be between 0 and 1, got {config.route_explore}")
+    if not 0.0 <= config.failover_wait_seconds <= 3600:
+        raise ConfigError(f"failover wait must be between 0 and 3600 seconds, got {config.failover_wait_seconds}")
+    if not 0.1 <= config.hop_timeout_seconds <= 3600:
+        raise ConfigError(f"hop timeout must be between 0.1 and 3600 seconds, got {config.hop_timeout_seconds}")
     return config
 
 
@@ -102,6 +114,7 @@ _FIELD_TYPES = {
     "model": (str,), "layers": (str,), "host": (str,), "port": (int,), "peers": (list,), "kv_cache": (bool,),
     "threads": (int,), "kv_ttl_seconds": (int, float), "kv_max_sessions": (int,), "kv_max_bytes": (int,),
     "wire_dtype": (str,), "max_tokens_default": (int,), "log_level": (str,), "public_url": (str,),
+    "route_explore": (int, float), "failover_wait_seconds": (int, float), "hop_timeout_seconds": (int, float),
 }
 
 

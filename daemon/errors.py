@@ -77,3 +77,11 @@ class UpstreamError(MeshError):
 
     status = 502
     code = "upstream_error"
+
+
+class HopFailed(UpstreamError):
+    """A hop's node did not answer (refused, reset, timed out) or answered 5xx: another node may serve it."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(message)
+        self.url = url

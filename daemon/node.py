@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,16 +19,18 @@ import torch
 from daemon import __version__, wire
 from daemon.api import ModelSummary, NodeStatus, RouteHopInfo, RouteInfo, SessionInfo, SessionList
 from daemon.config import NodeConfig
-from daemon.errors import RouteUnavailable
 from daemon.kvstore import SessionCacheStore
 from daemon.mesh.generation import HopReply
 from daemon.mesh.peers import PeerDirectory
-from daemon.mesh.routing import Candidate, Hop, plan_route
+from daemon.mesh.planner import RoutePlanner
+from daemon.mesh.routing import Candidate
 from daemon.model.sampling import SamplingParams
 from daemon.model.shard import ModelShard, StepResult
 from daemon.model.tensors import to_activation, to_tensor
 
 log = logging.getLogger(__name__)
+
+BUSY_WINDOW_SECONDS = 10.0  # the share of time spent computing is reported over this window
 
 
 class Node:
@@ -40,7 +44,11 @@ class Node:
         self.url = config.url
         self.hidden_size = shard.info.hidden_size
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
-        self.peers = PeerDirectory(config.peers, self_url=self.url, fingerprint=shard.info.fingerprint)
+        self.node_id = uuid.uuid4().hex  # tells this node apart from others at any address, for this run
+        self.peers = PeerDirectory(config.peers, self_url=self.url, fingerprint=shard.info.fingerprint,
+                                   node_id=self.node_id)
+        self.planner = RoutePlanner(self.own_candidate, self.peers, shard.info.num_layers,
+                                    explore=config.route_explore, failover_wait=config.failover_wait_seconds)
         self.active_generations = 0
         self.active_steps = 0
         self.started_at = time.time()
@@ -48,10 +56,7 @@ class Node:
         self.tokens_served = 0
         self.generations = 0
         self.tokens_generated = 0
-        self.route: list[Hop] = []
-        self.route_error: str | None = None
-        self.route_planned_at: float | None = None
-        self.hop_latency_ms: dict[str, float] = {}
+        self._compute_log: deque[tuple[float, float]] = deque()  # (finished, seconds) of recent steps
 
     @classmethod
     def load(cls, config: NodeConfig, folder: Path, start: int, end: int, threads: int) -> Node:
@@ -74,9 +79,10 @@ class Node:
 
     # ---- the server side: one /forward step ------------------------------------------------
 
-    def _step(self, request: wire.ForwardRequest) -> StepResult:
+    def _step(self, request: wire.ForwardRequest) -> tuple[StepResult, float]:
+        started = time.perf_counter()
         hidden = to_tensor(request.activation, compute_dtype=self.shard.dtype)
-        return self.shard.step(
+        result = self.shard.step(
             hidden,
             mode=request.mode,
             session_id=request.session_id,
@@ -84,19 +90,30 @@ class Node:
             start_layer=request.start_layer,
             sampling=SamplingParams(**request.sampling),
         )
+        return result, time.perf_counter() - started
 
     async def forward(self, request: wire.ForwardRequest) -> HopReply:
         self.active_steps += 1
         try:
-            result = await self.run(self._step, request)
+            result, seconds = await self.run(self._step, request)
         finally:
             self.active_steps -= 1
         self.steps_served += 1
         self.tokens_served += request.activation.shape[1]
+        self._compute_log.append((time.monotonic(), seconds))
+        compute_ms = seconds * 1000.0
         if result.hidden is not None:
             # the reply travels in the dtype the request came in
-            return HopReply(activation=to_activation(result.hidden, dtype=request.activation.dtype))
-        return HopReply(token_id=result.token_id, text=result.text)
+            activation = to_activation(result.hidden, dtype=request.activation.dtype)
+            return HopReply(activation=activation, compute_ms=compute_ms)
+        return HopReply(token_id=result.token_id, text=result.text, compute_ms=compute_ms)
+
+    def busy(self) -> float:
+        """The share of the last few seconds this node spent computing steps, 0..1: its load."""
+        horizon = time.monotonic() - BUSY_WINDOW_SECONDS
+        while self._compute_log and self._compute_log[0][0] < horizon:
+            self._compute_log.popleft()
+        return min(1.0, sum(seconds for _, seconds in self._compute_log) / BUSY_WINDOW_SECONDS)
 
     # ---- the head side: what the generation loop needs (HeadBackend) -----------------------
 
@@ -140,27 +157,11 @@ class Node:
 
     # ---- routes ----------------------------------------------------------------------------
 
-    def candidates(self) -> list[Candidate]:
-        own = Candidate(
+    def own_candidate(self) -> Candidate:
+        return Candidate(
             url=self.url, start=self.shard.start, end=self.shard.end,
-            kv_cache=self.shard.supports_kv_cache and self.config.kv_cache, local=True,
+            kv_cache=self.shard.supports_kv_cache and self.config.kv_cache, local=True, busy=self.busy(),
         )
-        return [own] + self.peers.candidates()
-
-    def plan_route(self) -> list[Hop]:
-        """Plan from what is known now; remembers the route (or why there is none) for /v1/route."""
-        self.route_planned_at = time.time()
-        try:
-            self.route = plan_route(self.candidates(), self.shard.info.num_layers)
-            self.route_error = None
-        except RouteUnavailable as exc:
-            self.route, self.route_error = [], exc.message
-            raise
-        return self.route
-
-    def record_hop(self, hop: Hop, ms: float) -> None:
-        previous = self.hop_latency_ms.get(hop.url)
-        self.hop_latency_ms[hop.url] = ms if previous is None else 0.8 * previous + 0.2 * ms
 
     # ---- what the console reads --------------------------------------------------------------
 
@@ -182,6 +183,8 @@ class Node:
             kv_cache_enabled=self.config.kv_cache,
             supports_kv_cache=self.shard.supports_kv_cache,
             threads=self.threads,
+            node_id=self.node_id,
+            busy=round(self.busy(), 4),
             active_generations=self.active_generations,
             active_steps=self.active_steps,
             weights_bytes=self.shard.loaded_bytes(),
@@ -203,8 +206,19 @@ class Node:
         return SessionList(time=time.time(), sessions=entries, store=self.store.stats().to_dict())
 
     def route_info(self) -> RouteInfo:
-        hops = [
-            RouteHopInfo(h.url, h.start_layer, h.end_layer, h.kv_cache, h.local, self.hop_latency_ms.get(h.url))
-            for h in self.route
-        ]
-        return RouteInfo(hops=hops, error=self.route_error, planned_at=self.route_planned_at)
+        planner = self.planner
+        latency = planner.latency.snapshot()
+        hops = []
+        for h in planner.route:
+            stats = latency.get(h.url, {})
+            layer_ms = stats.get("layer_ms")
+            hops.append(RouteHopInfo(
+                h.url, h.start_layer, h.end_layer, h.kv_cache, h.local, stats.get("latency_ms"),
+                overhead_ms=stats.get("overhead_ms"),
+                compute_ms=layer_ms * (h.end_layer - h.start_layer) if layer_ms is not None else None,
+                samples=stats.get("samples", 0),
+            ))
+        return RouteInfo(
+            hops=hops, error=planner.error, planned_at=planner.planned_at, nodes=latency,
+            events=list(planner.events), failovers=planner.failovers, reroutes=planner.reroutes,
+        )

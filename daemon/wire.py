@@ -20,6 +20,8 @@ Request headers (absent means the old behaviour):
 
 A node that does not host the last layer answers with activation bytes and the
 same dtype/shape headers; the tail answers JSON ``{"token_id": int, "text": str}``.
+Every answer carries ``X-Meshnet-Compute-Ms``, the node's own time on the step,
+so the head can tell network overhead from compute when it plans routes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ HOP_INDEX = "X-Meshnet-Hop-Index"
 DTYPE = "X-Meshnet-Dtype"
 SHAPE = "X-Meshnet-Shape"
 SAMPLING = "X-Meshnet-Sampling"
+COMPUTE_MS = "X-Meshnet-Compute-Ms"
 
 ACTIVATION_CONTENT_TYPE = "application/octet-stream"
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -44,9 +46,21 @@ class Daemon:
         for url in [p.url for p in peers] + list(peer_urls):
             argv += ["--peer", url]
         self.log_path = (log_dir or Path("/tmp")) / f"meshd-{self.port}.log"
+        self._argv, self._env = argv, os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {})
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {}))
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=self._env)
+
+    def kill(self) -> None:
+        """SIGKILL: the node vanishes mid-whatever, as on a crash or a pulled cable."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def restart(self) -> Daemon:
+        """Start the same node again on the same port (after :meth:`kill` or :meth:`stop`)."""
+        self._log.write(b"\n----- restarted -----\n")
+        self._log.flush()
+        self.proc = subprocess.Popen(self._argv, stdout=self._log, stderr=subprocess.STDOUT, env=self._env)
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -82,6 +96,24 @@ class Daemon:
 
     def chat(self, body: dict, timeout: float = 600.0) -> tuple[int, dict]:
         return http_json("POST", self.url + "/v1/chat/completions", body, timeout=timeout)
+
+    def stream(self, body: dict, timeout: float = 600.0) -> Iterator[dict]:
+        """POST a streaming chat request and yield each server-sent event's JSON as it arrives."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request("POST", "/v1/chat/completions", json.dumps(body | {"stream": True}),
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200, (resp.status, resp.read())
+            while line := resp.readline():
+                line = line.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                if line == b"data: [DONE]":
+                    return
+                yield json.loads(line[len(b"data: "):])
+        finally:
+            conn.close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

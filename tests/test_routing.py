@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from daemon.errors import RouteUnavailable
-from daemon.mesh.routing import Candidate, Hop, plan_route
+from daemon.mesh.routing import Candidate, Hop, plan_route, route_cost
 
 A = "http://127.0.0.1:7070"
 B = "http://127.0.0.1:7071"
@@ -149,16 +149,61 @@ def test_caching_node_preferred_on_ties():
         assert route[1].kv_cache is True
 
 
-def test_local_outranks_caching_on_ties():
-    # local-but-stateless vs remote-and-caching: the docstring orders local first
+def test_caching_remote_beats_stateless_local():
+    # a node without a cache makes every step rerun the whole sequence: far dearer than one HTTP hop
     cands = [
         Candidate(A, 0, 15),
         Candidate(B, 15, 30, kv_cache=True),
         Candidate(C, 15, 30, kv_cache=False, local=True),
     ]
     route = plan_route(cands, 30)
-    assert spans(route) == [(A, 0, 15), (C, 15, 30)]
-    assert route[1].kv_cache is False and route[1].local is True
+    assert spans(route) == [(A, 0, 15), (B, 15, 30)]
+    assert route[1].kv_cache is True and route[1].local is False
+
+
+def costs(per_layer: dict[str, float], overhead: float = 2.0):
+    """A cost function from per-node milliseconds per layer, plus a fixed overhead per remote hop."""
+    return lambda c, layers: layers * per_layer[c.url] + (0.0 if c.local else overhead)
+
+
+def test_faster_replica_wins():
+    cands = [Candidate(A, 0, 15, local=True), Candidate(B, 15, 30), Candidate(C, 15, 30)]
+    assert spans(plan_route(cands, 30, costs({A: 1.0, B: 5.0, C: 1.0}))) == [(A, 0, 15), (C, 15, 30)]
+    assert spans(plan_route(cands, 30, costs({A: 1.0, B: 1.0, C: 5.0}))) == [(A, 0, 15), (B, 15, 30)]
+
+
+def test_more_hops_win_when_they_are_faster():
+    # C hosts everything but is slow; A then B is two hops of fast nodes
+    cands = [Candidate(A, 0, 15), Candidate(B, 15, 30), Candidate(C, 0, 30)]
+    assert spans(plan_route(cands, 30, costs({A: 1.0, B: 1.0, C: 3.0}))) == [(A, 0, 15), (B, 15, 30)]
+    # ...and when C is as fast, one hop's overhead beats two
+    assert spans(plan_route(cands, 30, costs({A: 1.0, B: 1.0, C: 1.0}))) == [(C, 0, 30)]
+
+
+def test_overlap_lets_a_fast_node_take_more_layers():
+    # A (slow) hosts 0-19, B (fast) 5-29, D (fast) 0-4: D then B from layer 5 keeps the slow node out
+    cands = [Candidate(A, 0, 20), Candidate(B, 5, 30), Candidate(D, 0, 5)]
+    route = plan_route(cands, 30, costs({A: 4.0, B: 1.0, D: 1.0}))
+    assert spans(route) == [(D, 0, 5), (B, 5, 30)]
+    assert_exact_cover(route, cands, 30)
+
+
+def test_busy_nodes_cost_more():
+    cands = [Candidate(A, 0, 15, local=True), Candidate(B, 15, 30, busy=0.9), Candidate(C, 15, 30, busy=0.0)]
+    model = costs({A: 1.0, B: 1.0, C: 1.2})
+
+    def loaded(c, layers):
+        return model(c, layers) * (1 + c.busy)
+
+    assert spans(plan_route(cands, 30, loaded))[1][0] == C
+
+
+def test_route_cost_sums_hops_and_notices_vanished_nodes():
+    cands = [Candidate(A, 0, 15, local=True), Candidate(B, 15, 30)]
+    route = plan_route(cands, 30)
+    model = costs({A: 1.0, B: 2.0})
+    assert route_cost(route, cands, model) == 15 * 1.0 + 15 * 2.0 + 2.0
+    assert route_cost(route, cands[:1], model) is None
 
 
 def test_hop_carries_candidate_flags_and_to_dict():

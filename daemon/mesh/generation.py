@@ -2,23 +2,29 @@
 
 One session id per generation; a prefill of the whole prompt along the route,
 then one-token decode steps. A 409 cache miss on any hop costs one re-prefill of
-the sequence so far under the same session id, never a failed answer. A route
-with a node that does not cache runs stateless (the full sequence every step);
-a tail that returns no ``token_id`` (an older node) makes every step a prefill.
+the sequence so far under the same session id, never a failed answer. A hop that
+fails (refused or reset connection, timeout, 5xx, a draining node) is a
+failover: the router plans a route without that node, and the sequence so far
+is re-prefilled there under the same session id, so the client sees the same
+tokens and no error. A route with a node that does not cache runs stateless
+(the full sequence every step); a tail that returns no ``token_id`` (an older
+node) makes every step a prefill.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import aiohttp
 
 from daemon import wire
-from daemon.errors import BadRequest, CacheMiss, UpstreamError
+from daemon.errors import BadRequest, CacheMiss, HopFailed, UpstreamError
 from daemon.mesh.routing import Hop
 from daemon.mesh.text import TextStream
 
@@ -30,6 +36,22 @@ class HopReply:
     activation: wire.Activation | None = None
     token_id: int | None = None
     text: str | None = None
+    compute_ms: float | None = None  # the node's own time on the step, as it reports
+
+
+MAX_FAILOVERS = 8  # per generation: a mesh that keeps failing is an error, not a loop
+REROUTE_CHECK_STEPS = 16  # how often a generation asks whether its route has become far slower
+
+
+class Router(Protocol):
+    """What the loop needs to change routes: see :class:`daemon.mesh.planner.RoutePlanner`."""
+
+    def observe(self, hop: Hop, *, mode: str | None, total_ms: float, compute_ms: float | None) -> None: ...
+
+    async def failover(self, failed: Hop, error: str, *, session_id: str, position: int,
+                       patient: bool = True) -> list[Hop]: ...
+
+    def reroute(self, route: list[Hop], *, session_id: str, position: int) -> list[Hop] | None: ...
 
 
 class HeadBackend(Protocol):
@@ -70,6 +92,8 @@ class GenerationStats:
     prefills: int = 0
     reprefills: int = 0
     cache_misses: int = 0
+    failovers: int = 0
+    reroutes: int = 0
     stateless_steps: int = 0
     prefill_ms: float | None = None
     first_token_ms: float | None = None
@@ -94,17 +118,24 @@ class TokenEvent:
 
 
 class HopClient:
-    """Sends one step to a remote node over a shared keep-alive HTTP session."""
+    """Sends one step to a remote node over a shared keep-alive HTTP session.
 
-    def __init__(self, session: aiohttp.ClientSession, *, hidden_size: int, timeout: float = 120.0) -> None:
+    A decode step (one token) must answer within ``timeout`` seconds; a step
+    over T tokens gets ``timeout * T / 32`` when that is longer, so a long
+    prefill is not mistaken for a dead node.
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, *, hidden_size: int, timeout: float = 10.0) -> None:
         self._session = session
         self._hidden_size = hidden_size
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._timeout = timeout
 
     async def step(self, hop: Hop, activation: wire.Activation, headers: dict[str, str]) -> HopReply:
         url = hop.url.rstrip("/") + "/forward"
+        seconds = self._timeout * max(1.0, activation.shape[1] / 32)
+        timeout = aiohttp.ClientTimeout(total=seconds, sock_connect=min(seconds, 5.0))
         try:
-            async with self._session.post(url, data=activation.data, headers=headers, timeout=self._timeout) as resp:
+            async with self._session.post(url, data=activation.data, headers=headers, timeout=timeout) as resp:
                 body = await resp.read()
                 if resp.status == 409:
                     info = _json_or_empty(body)
@@ -113,24 +144,56 @@ class HopClient:
                 if resp.status != 200:
                     message = _json_or_empty(body).get("error", {})
                     message = message.get("message") if isinstance(message, dict) else message
-                    raise UpstreamError(f"{hop.url} answered {resp.status}: {message or body[:200]!r}")
+                    text = f"{hop.url} answered {resp.status}: {message or body[:200]!r}"
+                    # a 5xx is the node's trouble (a crash, a draining node): another may serve; a 4xx is ours
+                    raise HopFailed(hop.url, text) if resp.status >= 500 else UpstreamError(text)
+                compute_ms = _float_or_none(resp.headers.get(wire.COMPUTE_MS))
                 if resp.content_type == wire.ACTIVATION_CONTENT_TYPE:
                     try:
                         activation = wire.parse_activation(resp.headers, body, hidden_size=self._hidden_size)
                     except BadRequest as exc:
                         raise UpstreamError(f"{hop.url} sent a malformed activation: {exc.message}") from None
-                    return HopReply(activation=activation)
+                    return HopReply(activation=activation, compute_ms=compute_ms)
                 reply = _json_or_empty(body)
                 if "text" not in reply and "token_id" not in reply:
                     raise UpstreamError(f"{hop.url} sent neither activations nor a token")
-                return HopReply(token_id=reply.get("token_id"), text=reply.get("text", ""))
+                return HopReply(token_id=reply.get("token_id"), text=reply.get("text", ""), compute_ms=compute_ms)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(f"{hop.url} is unreachable: {exc.__class__.__name__}: {exc}") from None
+            reason = f"timed out after {seconds:.0f} s" if isinstance(exc, TimeoutError) else \
+                f"{exc.__class__.__name__}: {exc}".strip(": ")
+            raise HopFailed(hop.url, f"{hop.url} is unreachable: {reason}") from None
+
+    def release(self, url: str, session_id: str) -> None:
+        """Drop a session on a node the generation left (best effort, in the background)."""
+        self._spawn(self._release(url, session_id))
+
+    async def _release(self, url: str, session_id: str) -> None:
+        try:
+            async with self._session.delete(f"{url.rstrip('/')}/v1/sessions/{session_id}",
+                                            timeout=aiohttp.ClientTimeout(total=2.0)):
+                pass
+        except (aiohttp.ClientError, TimeoutError):
+            pass  # the node is gone or busy: its TTL frees the session anyway
+
+    @staticmethod
+    def _spawn(coro: Coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        _BACKGROUND.add(task)  # a reference until it ends, or the loop may collect it mid-way
+        task.add_done_callback(_BACKGROUND.discard)
+
+
+_BACKGROUND: set[asyncio.Task] = set()
+
+
+def _float_or_none(raw: str | None) -> float | None:
+    try:
+        value = float(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and 0.0 <= value < 1e9 else None
 
 
 def _json_or_empty(body: bytes) -> dict:
-    import json
-
     try:
         value = json.loads(body)
     except ValueError:
@@ -148,9 +211,12 @@ async def run_step(
     session_id: str,
     past_len: int,
     sampling: dict,
-    on_hop: Callable[[Hop, float], None] | None = None,
+    on_hop: Callable[[Hop, float, float | None], None] | None = None,
 ) -> HopReply:
-    """Pass one step's activations along ``route``; the last hop answers with a token."""
+    """Pass one step's activations along ``route``; the last hop answers with a token.
+
+    ``on_hop(hop, total_ms, compute_ms)`` is told each hop's latency.
+    """
     reply = HopReply(activation=activation)
     for index, hop in enumerate(route):
         if reply.activation is None:
@@ -169,7 +235,7 @@ async def run_step(
             )
             reply = await client.step(hop, reply.activation, headers)
         if on_hop is not None:
-            on_hop(hop, (time.perf_counter() - started) * 1000.0)
+            on_hop(hop, (time.perf_counter() - started) * 1000.0, reply.compute_ms)
     if reply.activation is not None:
         raise UpstreamError(f"the last hop ({route[-1].url}) answered activations, not a token")
     return reply
@@ -178,16 +244,18 @@ async def run_step(
 async def generate(
     backend: HeadBackend,
     client: HopClient,
+    router: Router,
     route: list[Hop],
     request: GenerationRequest,
     *,
     stats: GenerationStats | None = None,
-    on_hop: Callable[[Hop, float], None] | None = None,
 ) -> AsyncIterator[TokenEvent]:
     """Generate up to ``request.max_tokens`` tokens along ``route``, yielding text as it becomes final.
 
     ``stats`` (created by the caller so it can be read while streaming) is filled in as it goes;
-    ``stats.finish_reason`` is ``"stop"`` or ``"length"`` at the end.
+    ``stats.finish_reason`` is ``"stop"`` or ``"length"`` at the end. When a hop fails, ``router``
+    supplies a new route; if none covers every layer within its bound, its ``RouteUnavailable`` ends
+    the generation.
     """
     if not request.prompt_ids:
         raise BadRequest("the prompt is empty", param="messages")
@@ -203,15 +271,38 @@ async def generate(
     stream = TextStream(backend.decode, request.stop)
     started = time.perf_counter()
     decode_started: float | None = None
+    decode_steps = 0
+
+    def observe(hop: Hop, total_ms: float, compute_ms: float | None) -> None:
+        router.observe(hop, mode=mode, total_ms=total_ms, compute_ms=compute_ms)
+
+    def move_to(new_route: list[Hop]) -> None:
+        """Continue on ``new_route``: one prefill of everything so far there, under the same session id."""
+        nonlocal route, cached, mode
+        kept = {hop.url for hop in new_route}
+        for hop in route:
+            if hop.url not in kept and not hop.local:
+                client.release(hop.url, session_id)
+        route, cached = new_route, all(hop.kv_cache for hop in new_route)
+        stats.route = [hop.to_dict() for hop in route]
+        if mode == "decode":
+            stats.reprefills += 1
+        mode = "prefill" if cached else None
+
     try:
         while len(generated) < request.max_tokens:
+            if mode == "decode" and decode_steps and decode_steps % REROUTE_CHECK_STEPS == 0:
+                faster = router.reroute(route, session_id=session_id, position=len(ids))
+                if faster is not None:
+                    stats.reroutes += 1
+                    move_to(faster)
             feed = ids[past_len:] if mode == "decode" else ids
             step_started = time.perf_counter()
             activation = await backend.embed(feed)
             try:
                 reply = await run_step(
                     backend, client, route, activation, mode=mode, session_id=session_id,
-                    past_len=past_len, sampling=request.sampling, on_hop=on_hop,
+                    past_len=past_len, sampling=request.sampling, on_hop=observe,
                 )
             except CacheMiss as miss:
                 if mode != "decode":
@@ -223,6 +314,17 @@ async def generate(
                     stats.reprefills += 1
                     mode = "prefill"  # one re-prefill of everything so far, same session id
                 continue
+            except HopFailed as failure:
+                stats.failovers += 1
+                if stats.failovers > MAX_FAILOVERS:
+                    raise UpstreamError(f"gave up after {MAX_FAILOVERS} failovers; the last: {failure.message}") \
+                        from None
+                failed = next((hop for hop in route if hop.url == failure.url), route[-1])
+                move_to(await router.failover(failed, failure.message, session_id=session_id, position=len(ids),
+                                              patient=bool(generated)))
+                continue
+            if mode == "decode":
+                decode_steps += 1
             if mode == "prefill":
                 stats.prefills += 1
                 if stats.prefill_ms is None:

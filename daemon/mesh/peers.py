@@ -1,8 +1,16 @@
-"""What this node knows of the other nodes: their layer ranges, cache support and health."""
+"""What this node knows of the other nodes: their layer ranges, cache support, load and health.
+
+A node starts from its ``--peer`` seeds and learns the rest of the mesh from
+them: every peer's ``/v1/status`` lists the peers it sees up, and those join
+this directory too. A peer that stops answering is marked down at once (by a
+poll, or by the head when a hop to it fails) and up again when it answers; one
+that was only learned second-hand is forgotten after a minute down.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 
@@ -11,13 +19,18 @@ import aiohttp
 from daemon.api import PeerSummary
 from daemon.mesh.routing import Candidate
 
+FORGET_AFTER_SECONDS = 60.0  # a learned peer down this long is dropped; seeds are kept for good
+MAX_URL_LENGTH = 2048
+
 
 @dataclass
 class PeerState:
     url: str
+    learned_from: str | None = None  # None: a seed or added by the operator
     status: dict | None = None
     up: bool = False
     last_seen: float | None = None
+    down_since: float | None = None
     error: str | None = None
 
     def summary(self) -> PeerSummary:
@@ -28,7 +41,13 @@ class PeerState:
             end=self.status.get("end") if self.status else None,
             last_seen=self.last_seen,
             error=self.error,
+            learned_from=self.learned_from,
         )
+
+    def mark_down(self, error: str, now: float) -> None:
+        if self.up or self.down_since is None:
+            self.down_since = now
+        self.up, self.error = False, error
 
 
 def normalize_url(url: str) -> str:
@@ -36,28 +55,60 @@ def normalize_url(url: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
-class PeerDirectory:
-    """Peers from ``--peer`` seeds, refreshed from their ``/v1/status``."""
+def _plausible_url(value) -> bool:
+    return isinstance(value, str) and value.startswith(("http://", "https://")) and len(value) <= MAX_URL_LENGTH
 
-    def __init__(self, seeds: list[str], *, self_url: str, fingerprint: str, timeout: float = 2.0) -> None:
+
+class PeerDirectory:
+    """Peers from ``--peer`` seeds and from what those peers know, refreshed from their ``/v1/status``."""
+
+    def __init__(self, seeds: list[str], *, self_url: str, fingerprint: str, node_id: str = "",
+                 timeout: float = 2.0, clock=time.time) -> None:
         self.self_url = normalize_url(self_url)
         self.fingerprint = fingerprint
+        self.node_id = node_id
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._clock = clock
         self.peers: dict[str, PeerState] = {}
+        self._self_aliases: set[str] = {self.self_url}  # other addresses that turned out to be this node
+        self._removed: set[str] = set()  # removed by the operator: not re-learned from gossip
         for seed in seeds:
             self.add(seed)
 
     def add(self, url: str) -> None:
+        """A seed, or a peer the operator added: kept until removed."""
         url = normalize_url(url)
-        if url != self.self_url and url not in self.peers:
-            self.peers[url] = PeerState(url)
+        self._removed.discard(url)
+        if url in self._self_aliases:
+            return
+        peer = self.peers.setdefault(url, PeerState(url))
+        peer.learned_from = None
+
+    def learn(self, url: str, *, source: str) -> None:
+        """A peer another node reported up; kept while it answers."""
+        url = normalize_url(url)
+        if url in self._self_aliases or url in self._removed or url in self.peers:
+            return
+        self.peers[url] = PeerState(url, learned_from=source)
 
     def remove(self, url: str) -> bool:
-        return self.peers.pop(normalize_url(url), None) is not None
+        url = normalize_url(url)
+        self._removed.add(url)
+        return self.peers.pop(url, None) is not None
+
+    def mark_down(self, url: str, error: str) -> None:
+        """The head saw a hop to ``url`` fail: leave it out of routes until it answers a poll again."""
+        peer = self.peers.get(normalize_url(url))
+        if peer is not None:
+            peer.mark_down(error, self._clock())
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         """Ask every peer for its status at once; a peer that does not answer is down."""
         await asyncio.gather(*(self._refresh_one(session, p) for p in list(self.peers.values())))
+        now = self._clock()
+        for peer in list(self.peers.values()):
+            if peer.learned_from and not peer.up and peer.down_since and now - peer.down_since > FORGET_AFTER_SECONDS:
+                del self.peers[peer.url]
 
     async def _refresh_one(self, session: aiohttp.ClientSession, peer: PeerState) -> None:
         try:
@@ -65,15 +116,26 @@ class PeerDirectory:
                 if resp.status != 200:
                     raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
                 status = await resp.json()
+            if not isinstance(status, dict) or not isinstance(status.get("model"), dict):
+                raise ValueError("its /v1/status is not a meshd status")
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            peer.up, peer.error = False, f"{exc.__class__.__name__}: {exc}".strip(": ")
+            peer.mark_down(f"{exc.__class__.__name__}: {exc}".strip(": "), self._clock())
             return
-        model = status.get("model", {})
+        if self.node_id and status.get("node_id") == self.node_id:
+            # another address of this very node (localhost vs 127.0.0.1, a public URL): not a peer
+            self._self_aliases.add(peer.url)
+            self.peers.pop(peer.url, None)
+            return
+        model = status["model"]
         if model.get("fingerprint") != self.fingerprint:
-            peer.up, peer.status = False, status
-            peer.error = f"serves a different model ({model.get('name')}, {model.get('fingerprint')})"
+            peer.status = status
+            peer.mark_down(f"serves a different model ({model.get('name')}, {model.get('fingerprint')})",
+                           self._clock())
             return
-        peer.status, peer.up, peer.error, peer.last_seen = status, True, None, time.time()
+        peer.status, peer.up, peer.error, peer.last_seen, peer.down_since = status, True, None, self._clock(), None
+        for other in status.get("peers") or []:
+            if isinstance(other, dict) and other.get("up") and _plausible_url(other.get("url")):
+                self.learn(other["url"], source=peer.url)
 
     def candidates(self) -> list[Candidate]:
         return [
@@ -82,10 +144,17 @@ class PeerDirectory:
                 start=p.status["start"],
                 end=p.status["end"],
                 kv_cache=bool(p.status.get("kv_cache_enabled") and p.status.get("supports_kv_cache")),
+                busy=_share(p.status.get("busy")),
             )
             for p in self.peers.values()
-            if p.up and p.status
+            if p.up and p.status and isinstance(p.status.get("start"), int) and isinstance(p.status.get("end"), int)
         ]
 
     def summaries(self) -> list[PeerSummary]:
         return [p.summary() for p in self.peers.values()]
+
+
+def _share(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return 0.0
+    return min(max(float(value), 0.0), 1.0)

@@ -1,11 +1,15 @@
 """Planning a route: a chain of nodes whose layer ranges together cover every layer.
 
 Ranges may overlap: a hop starts where the previous one stopped
-(``start_layer``), so no layer runs twice.
+(``start_layer``), so no layer runs twice. Among all chains that cover
+``0..N-1`` the planner picks the one with the lowest expected step latency,
+from a cost per hop (see :class:`daemon.mesh.planner.LatencyModel`); without
+measurements every remote hop costs the same, so the fewest hops win.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from daemon.errors import RouteUnavailable
@@ -20,6 +24,7 @@ class Candidate:
     end: int
     kv_cache: bool = True
     local: bool = False
+    busy: float = 0.0  # the share of recent time the node spent computing, 0..1, as it reports
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,10 @@ class Hop:
     kv_cache: bool = True
     local: bool = False
 
+    @property
+    def layers(self) -> int:
+        return self.end_layer - self.start_layer
+
     def to_dict(self) -> dict:
         return {
             "url": self.url,
@@ -42,27 +51,40 @@ class Hop:
         }
 
 
-def plan_route(candidates: list[Candidate], num_layers: int) -> list[Hop]:
-    """The route with the fewest hops covering layers ``0..num_layers-1``.
+# expected milliseconds of one decode step of a hop running `layers` layers on a candidate
+HopCost = Callable[[Candidate, int], float]
 
-    Ties prefer the local node (no HTTP hop), then caching nodes. Raises :class:`RouteUnavailable` naming the first
-    uncovered layer range.
+# a node that cannot cache turns the whole route stateless: every step reruns the whole sequence
+STATELESS_FACTOR = 8.0
+
+
+def uniform_cost(candidate: Candidate, layers: int) -> float:
+    """With nothing measured: a layer costs the same everywhere, a remote hop adds a fixed overhead."""
+    return layers * 1.0 + (0.0 if candidate.local else 2.0)
+
+
+def plan_route(candidates: list[Candidate], num_layers: int, cost: HopCost = uniform_cost) -> list[Hop]:
+    """The cheapest chain of hops covering layers ``0..num_layers-1``.
+
+    Ties prefer fewer hops, then the local node (no HTTP hop), then caching nodes.
+    Raises :class:`RouteUnavailable` naming the first uncovered layer range.
     """
-    # best[p]: the shortest chain of hops whose layers end exactly at p
-    best: dict[int, list[Hop]] = {0: []}
+    # best[p]: (sort key, chain) of the cheapest chain of hops whose layers end exactly at p
+    best: dict[int, tuple[tuple, list[Hop]]] = {0: ((0.0, 0, 0, 0), [])}
     for position in range(num_layers):
-        chain = best.get(position)
-        if chain is None:
+        if position not in best:
             continue
+        (total, hops, nonlocal_, stateless), chain = best[position]
         for c in candidates:
-            if c.start <= position < c.end:
-                hop = Hop(c.url, position, c.end, c.kv_cache, c.local)
-                new_chain = chain + [hop]
-                current = best.get(c.end)
-                if current is None or _better(new_chain, current):
-                    best[c.end] = new_chain
+            if not c.start <= position < c.end:
+                continue
+            step = cost(c, c.end - position) * (1.0 if c.kv_cache else STATELESS_FACTOR)
+            key = (total + step, hops + 1, nonlocal_ + (not c.local), stateless + (not c.kv_cache))
+            current = best.get(c.end)
+            if current is None or _rounded(key) < _rounded(current[0]):
+                best[c.end] = (key, chain + [Hop(c.url, position, c.end, c.kv_cache, c.local)])
     if num_layers in best:
-        return best[num_layers]
+        return best[num_layers][1]
     reached = max(p for p in best if p <= num_layers)
     covered_from = [c.start for c in candidates if c.start > reached]
     gap_end = min(covered_from, default=num_layers) - 1
@@ -72,8 +94,18 @@ def plan_route(candidates: list[Candidate], num_layers: int) -> list[Hop]:
     )
 
 
-def _better(a: list[Hop], b: list[Hop]) -> bool:
-    def key(chain: list[Hop]) -> tuple:
-        return (len(chain), -sum(h.local for h in chain), -sum(h.kv_cache for h in chain))
+def _rounded(key: tuple) -> tuple:
+    # costs within a microsecond are a tie, so the other preferences decide rather than float noise
+    return (round(key[0], 3),) + key[1:]
 
-    return key(a) < key(b)
+
+def route_cost(route: list[Hop], candidates: list[Candidate], cost: HopCost) -> float | None:
+    """Expected step latency of an existing route, or None when one of its nodes is no longer a candidate."""
+    by_url = {c.url: c for c in candidates}
+    total = 0.0
+    for hop in route:
+        c = by_url.get(hop.url)
+        if c is None or not c.start <= hop.start_layer < c.end or c.end != hop.end_layer:
+            return None
+        total += cost(c, hop.layers) * (1.0 if c.kv_cache else STATELESS_FACTOR)
+    return total

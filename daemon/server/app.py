@@ -25,7 +25,9 @@ async def _client_ctx(app: web.Application):
     connector = aiohttp.TCPConnector(limit=64, keepalive_timeout=60)
     async with aiohttp.ClientSession(connector=connector) as session:
         app[CLIENT] = session
+        app[NODE].planner.http = session
         yield
+        app[NODE].planner.http = None
 
 
 async def _peer_poll_ctx(app: web.Application):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from daemon.errors import BadRequest, MeshError, RouteUnavailable
+from daemon.errors import BadRequest, MeshError
 from daemon.mesh.generation import GenerationRequest, GenerationStats, HopClient, generate
 from daemon.server.errors import error_body
 from daemon.server.keys import CLIENT, NODE
@@ -123,15 +123,6 @@ def _usage(stats: GenerationStats) -> dict:
     }
 
 
-async def _plan(request: web.Request):
-    node = request.app[NODE]
-    try:
-        return node.plan_route()
-    except RouteUnavailable:
-        await node.peers.refresh(request.app[CLIENT])  # perhaps a peer came up since the last poll
-        return node.plan_route()
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE]
     try:
@@ -150,14 +141,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if len(prompt_ids) >= context:
         raise BadRequest(f"the prompt is {len(prompt_ids)} tokens; the model's context is {context}", param="messages")
     max_tokens = min(chat.max_tokens, context - len(prompt_ids))
-    route = await _plan(request)
-    client = HopClient(request.app[CLIENT], hidden_size=node.hidden_size)
+    route = await node.planner.plan_for_request()
+    client = HopClient(request.app[CLIENT], hidden_size=node.hidden_size, timeout=node.config.hop_timeout_seconds)
     gen_request = GenerationRequest(prompt_ids, max_tokens, chat.sampling, chat.stop, chat.ignore_eos)
     stats = GenerationStats(session_id=secrets.token_hex(12), prompt_tokens=len(prompt_ids))
     completion_id = f"chatcmpl-{stats.session_id}"
     created = int(time.time())
     model = node.shard.info.name
-    events = generate(node, client, route, gen_request, stats=stats, on_hop=node.record_hop)
+    events = generate(node, client, node.planner, route, gen_request, stats=stats)
     node.active_generations += 1
     # aclosing: a client that goes away mid-stream still ends the generation and drops its session now
     async with contextlib.aclosing(events):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from aiohttp import web
 
-from daemon.errors import BadRequest, NotFound
+from daemon.errors import BadRequest, NotFound, RouteUnavailable
 from daemon.server.keys import CLIENT, NODE
 
 
@@ -30,11 +32,9 @@ async def drop_session(request: web.Request) -> web.Response:
 
 async def route(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    if request.query.get("refresh") == "1" or not node.route:
-        try:
-            node.plan_route()
-        except Exception:  # noqa: BLE001 - the error is reported in the body
-            pass
+    if request.query.get("refresh") == "1" or not node.planner.route:
+        with contextlib.suppress(RouteUnavailable):  # the error is reported in the body
+            node.planner.plan(explore=False)
     return web.json_response(node.route_info().to_dict())
 
 
