@@ -80,6 +80,7 @@ class NodeStatus:
     tokens_generated: int = 0  # tokens those generations produced
     node_id: str = ""  # random per run: tells one node apart from its other addresses
     busy: float = 0.0  # share of the last 10 s spent computing steps, 0..1
+    draining: bool = False  # shutting down: finishing its generations, taking no new work
 
     @property
     def layers(self) -> str:

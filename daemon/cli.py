@@ -7,13 +7,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import asyncio
 import os
 import sys
 import time
 
 from daemon import __version__
-from daemon.config import ConfigError, default_config_path, default_threads, load_config
+from daemon.config import ConfigError, default_config_path, default_threads, is_loopback, load_config
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -50,6 +50,20 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--hop-timeout", dest="hop_timeout_seconds", type=float, metavar="SECONDS",
                    help="a one-token step on a peer must answer within this, or the peer counts as failed; "
                    "longer steps get proportionally more (default 10)")
+    p.add_argument("--token", help="shared mesh token: every endpoint but /health then needs "
+                   "'Authorization: Bearer TOKEN', and nodes send it to each other (prefer MESHNET_TOKEN: "
+                   "arguments show in ps)")
+    p.add_argument("--max-body-bytes", type=int, metavar="BYTES", help="largest request body (default 64 MiB); "
+                   "larger is a 413")
+    p.add_argument("--max-tokens-cap", type=int, metavar="N", help="the most new tokens a request may ask for "
+                   "(default 4096, never past the model's context)")
+    p.add_argument("--max-generations", type=int, metavar="N", help="generations this node heads at once "
+                   "(default 32); beyond it, 429 with Retry-After")
+    p.add_argument("--shutdown-grace", dest="shutdown_grace_seconds", type=float, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl+C, how long running generations get to finish (default 30); "
+                   "a second signal stops at once")
+    p.add_argument("--log-format", choices=["auto", "text", "json"],
+                   help="log lines as text or JSON objects (default auto: text on a terminal, JSON otherwise)")
     p.add_argument("--public-url", help="the URL peers use to reach this node (default http://HOST:PORT)")
     p.add_argument("--config", help=f"TOML config file (default {default_config_path()})")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -96,13 +110,19 @@ def serve(argv: list[str]) -> int:
         )
     except ConfigError as exc:
         return _fail(str(exc), 2)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from daemon.logs import setup_logging
+
+    setup_logging(level=config.log_level, fmt=config.log_format, node=config.url)
+    if not is_loopback(config.host) and not config.token:
+        for line in (f"WARNING: listening on {config.host} without a token: anyone who can reach this port can",
+                     "WARNING: run generations, read session ids and send activations. Set MESHNET_TOKEN (the same",
+                     "WARNING: on every node) or bind 127.0.0.1."):
+            _say(line)
     threads = config.threads or default_threads(config)
     # before torch is imported: idle OpenMP workers must sleep, not spin on cores another daemon needs
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
-    from aiohttp import web
 
     from daemon.api import format_layers, parse_layers
     from daemon.errors import ModelUnavailable
@@ -131,13 +151,46 @@ def serve(argv: list[str]) -> int:
          f"kv cache {'on' if node.shard.supports_kv_cache else 'off'}")
     app = create_app(node)
     try:
-        web.run_app(
-            app, host=config.host, port=config.port, access_log=None,
-            print=lambda _: _say(f"serving on {config.url}"),
-        )
+        asyncio.run(serve_until_stopped(app, node, config))
     except OSError as exc:
         return _fail(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}")
     return 0
+
+
+async def serve_until_stopped(app, node, config) -> None:
+    """Serve until SIGTERM or SIGINT, then drain: /health turns 503, new work gets 503 with Retry-After,
+    running generations get ``shutdown_grace_seconds`` to finish, then the node stops. A second signal
+    stops it at once."""
+    import signal
+
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port, shutdown_timeout=1.0).start()
+        _say(f"serving on {config.url}")
+        stop, now = asyncio.Event(), asyncio.Event()
+
+        def on_signal(signum: int) -> None:
+            (now if stop.is_set() else stop).set()
+
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, on_signal, signum)
+        await stop.wait()
+        node.draining = True
+        running = node.active_generations
+        _say(f"draining: {running} generation(s) running, {config.shutdown_grace_seconds:g} s to finish"
+             if running else "stopping")
+        deadline = loop.time() + config.shutdown_grace_seconds
+        while node.active_generations and loop.time() < deadline and not now.is_set():
+            await asyncio.sleep(0.1)
+        if node.active_generations:
+            _say(f"stopping with {node.active_generations} generation(s) unfinished")
+    finally:
+        await runner.cleanup()
+    _say("stopped")
 
 
 def main(argv: list[str] | None = None) -> int:

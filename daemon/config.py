@@ -8,7 +8,9 @@ named by ``--config`` / ``MESHNET_CONFIG``); its keys are the field names below.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -37,6 +39,12 @@ class NodeConfig:
     route_explore: float = 0.1  # share of new generations planned with randomised costs, to re-measure
     failover_wait_seconds: float = 15.0  # how long a generation waits for a route after a hop fails
     hop_timeout_seconds: float = 10.0  # a one-token step must answer within this (longer steps get more)
+    token: str | None = None  # shared mesh token: every endpoint but /health needs "Authorization: Bearer <token>"
+    max_body_bytes: int = 64 * 1024 * 1024  # larger request bodies are a 413
+    max_tokens_cap: int = 4096  # the most a request may ask for (and never past the model's context)
+    max_generations: int = 32  # concurrent generations this node heads; beyond: 429 with Retry-After
+    shutdown_grace_seconds: float = 30.0  # on SIGTERM, how long running generations get to finish
+    log_format: str = "auto"  # "text", "json", or "auto": text on a terminal, JSON otherwise
 
     @property
     def url(self) -> str:
@@ -62,6 +70,12 @@ _ENV = {
     "MESHNET_ROUTE_EXPLORE": ("route_explore", float),
     "MESHNET_FAILOVER_WAIT_SECONDS": ("failover_wait_seconds", float),
     "MESHNET_HOP_TIMEOUT_SECONDS": ("hop_timeout_seconds", float),
+    "MESHNET_TOKEN": ("token", str),
+    "MESHNET_MAX_BODY_BYTES": ("max_body_bytes", int),
+    "MESHNET_MAX_TOKENS_CAP": ("max_tokens_cap", int),
+    "MESHNET_MAX_GENERATIONS": ("max_generations", int),
+    "MESHNET_SHUTDOWN_GRACE_SECONDS": ("shutdown_grace_seconds", float),
+    "MESHNET_LOG_FORMAT": ("log_format", str),
 }
 
 
@@ -107,6 +121,18 @@ def load_config(cli: dict, environ: os._Environ | dict = os.environ, path: Path 
         raise ConfigError(f"failover wait must be between 0 and 3600 seconds, got {config.failover_wait_seconds}")
     if not 0.1 <= config.hop_timeout_seconds <= 3600:
         raise ConfigError(f"hop timeout must be between 0.1 and 3600 seconds, got {config.hop_timeout_seconds}")
+    if config.token is not None and not _TOKEN.fullmatch(config.token):
+        raise ConfigError("the mesh token must be 16-256 printable ASCII characters without spaces")
+    if config.max_body_bytes < 1024:
+        raise ConfigError(f"max body bytes must be at least 1024, got {config.max_body_bytes}")
+    if config.max_tokens_cap < 1:
+        raise ConfigError(f"max tokens cap must be at least 1, got {config.max_tokens_cap}")
+    if config.max_generations < 1:
+        raise ConfigError(f"max generations must be at least 1, got {config.max_generations}")
+    if not 0.0 <= config.shutdown_grace_seconds <= 3600:
+        raise ConfigError(f"shutdown grace must be between 0 and 3600 seconds, got {config.shutdown_grace_seconds}")
+    if config.log_format not in ("auto", "text", "json"):
+        raise ConfigError(f"log format must be auto, text or json, got {config.log_format!r}")
     return config
 
 
@@ -115,7 +141,11 @@ _FIELD_TYPES = {
     "threads": (int,), "kv_ttl_seconds": (int, float), "kv_max_sessions": (int,), "kv_max_bytes": (int,),
     "wire_dtype": (str,), "max_tokens_default": (int,), "log_level": (str,), "public_url": (str,),
     "route_explore": (int, float), "failover_wait_seconds": (int, float), "hop_timeout_seconds": (int, float),
+    "token": (str,), "max_body_bytes": (int,), "max_tokens_cap": (int,), "max_generations": (int,),
+    "shutdown_grace_seconds": (int, float), "log_format": (str,),
 }
+
+_TOKEN = re.compile(r"[!-~]{16,256}")  # printable ASCII, no spaces: it travels in an HTTP header
 
 
 def _check_toml_type(path: Path, key: str, value) -> None:
@@ -138,3 +168,13 @@ def default_threads(config: NodeConfig) -> int:
     local_peers = sum(1 for p in config.peers if any(h in p for h in ("127.0.0.1", "localhost", "[::1]")))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // (1 + local_peers))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the node on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -14,6 +14,7 @@ class MeshError(Exception):
     status = 500
     code = "internal_error"
     type = "server_error"
+    retry_after: int | None = None  # seconds, sent as Retry-After
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -85,3 +86,28 @@ class HopFailed(UpstreamError):
     def __init__(self, url: str, message: str) -> None:
         super().__init__(message)
         self.url = url
+
+
+class Unauthorized(MeshError):
+    """A request without the mesh token (``Authorization: Bearer <token>``)."""
+
+    status = 401
+    code = "invalid_api_key"
+    type = "invalid_request_error"
+
+
+class TooManyGenerations(MeshError):
+    """The node heads as many generations as it is allowed to; the client should come back shortly."""
+
+    status = 429
+    code = "too_many_generations"
+    type = "rate_limit_error"
+    retry_after = 1
+
+
+class Draining(MeshError):
+    """The node is shutting down: it finishes what it runs and takes nothing new."""
+
+    status = 503
+    code = "draining"
+    retry_after = 5

@@ -19,11 +19,13 @@ import torch
 from daemon import __version__, wire
 from daemon.api import ModelSummary, NodeStatus, RouteHopInfo, RouteInfo, SessionInfo, SessionList
 from daemon.config import NodeConfig
+from daemon.errors import BadRequest
 from daemon.kvstore import SessionCacheStore
 from daemon.mesh.generation import HopReply
 from daemon.mesh.peers import PeerDirectory
 from daemon.mesh.planner import RoutePlanner
 from daemon.mesh.routing import Candidate
+from daemon.metrics import Metrics
 from daemon.model.sampling import SamplingParams
 from daemon.model.shard import ModelShard, StepResult
 from daemon.model.tensors import to_activation, to_tensor
@@ -43,12 +45,18 @@ class Node:
         self.threads = threads
         self.url = config.url
         self.hidden_size = shard.info.hidden_size
+        self.context_length = getattr(shard.config, "max_position_embeddings", None) or wire.MAX_SEQUENCE
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
         self.node_id = uuid.uuid4().hex  # tells this node apart from others at any address, for this run
         self.peers = PeerDirectory(config.peers, self_url=self.url, fingerprint=shard.info.fingerprint,
                                    node_id=self.node_id)
-        self.planner = RoutePlanner(self.own_candidate, self.peers, shard.info.num_layers,
-                                    explore=config.route_explore, failover_wait=config.failover_wait_seconds)
+        self.metrics = Metrics(store.stats)
+        self.planner = RoutePlanner(
+            self.own_candidate, self.peers, shard.info.num_layers,
+            explore=config.route_explore, failover_wait=config.failover_wait_seconds,
+            on_hop=lambda hop, mode, ms: self.metrics.hop_done(hop.url, mode, ms / 1000.0),
+        )
+        self.draining = False  # set on SIGTERM: finish what runs, take nothing new
         self.active_generations = 0
         self.active_steps = 0
         self.started_at = time.time()
@@ -93,6 +101,13 @@ class Node:
         return result, time.perf_counter() - started
 
     async def forward(self, request: wire.ForwardRequest) -> HopReply:
+        positions = request.past_len + request.activation.shape[1]
+        if positions > self.context_length:
+            raise BadRequest(f"the step reaches position {positions}; the model's context is {self.context_length}",
+                             param=wire.SHAPE)
+        if request.mode == "prefill":  # once per generation (and re-prefill) per node: never per token
+            log.info("session %s: prefill of %d tokens from layer %d", request.session_id,
+                     request.activation.shape[1], request.start_layer)
         self.active_steps += 1
         try:
             result, seconds = await self.run(self._step, request)
@@ -101,6 +116,7 @@ class Node:
         self.steps_served += 1
         self.tokens_served += request.activation.shape[1]
         self._compute_log.append((time.monotonic(), seconds))
+        self.metrics.step_done(request.mode, seconds)
         compute_ms = seconds * 1000.0
         if result.hidden is not None:
             # the reply travels in the dtype the request came in
@@ -185,6 +201,7 @@ class Node:
             threads=self.threads,
             node_id=self.node_id,
             busy=round(self.busy(), 4),
+            draining=self.draining,
             active_generations=self.active_generations,
             active_steps=self.active_steps,
             weights_bytes=self.shard.loaded_bytes(),

@@ -120,6 +120,8 @@ def parse_activation(headers, body: bytes, *, hidden_size: int) -> Activation:
 def parse_sampling(raw: str | None) -> dict:
     if raw is None:
         return {}
+    if len(raw) > 1024:
+        raise BadRequest(f"{SAMPLING} is {len(raw)} characters; at most 1024", param=SAMPLING)
     try:
         value = json.loads(raw)
     except ValueError:

@@ -22,9 +22,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_json(method: str, url: str, body: dict | None = None, timeout: float = 300.0) -> tuple[int, dict]:
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 300.0,
+              token: str | None = None) -> tuple[int, dict]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
@@ -47,6 +49,7 @@ class Daemon:
             argv += ["--peer", url]
         self.log_path = (log_dir or Path("/tmp")) / f"meshd-{self.port}.log"
         self._argv, self._env = argv, os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {})
+        self.token = self._env.get("MESHNET_TOKEN")  # sent on every request this helper makes
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=self._env)
 
@@ -83,26 +86,28 @@ class Daemon:
         """Wait until this node sees ``count`` peers up (peers are polled every 2 s)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            _, status = http_json("GET", self.url + "/v1/status")
+            _, status = http_json("GET", self.url + "/v1/status", token=self.token)
             if sum(p["up"] for p in status["peers"]) >= count:
                 return
             time.sleep(0.2)
         raise TimeoutError(f"{self.url} sees fewer than {count} peers up: {status['peers']}")
 
     def get(self, path: str) -> dict:
-        status, body = http_json("GET", self.url + path)
+        status, body = http_json("GET", self.url + path, token=self.token)
         assert status == 200, (status, body)
         return body
 
     def chat(self, body: dict, timeout: float = 600.0) -> tuple[int, dict]:
-        return http_json("POST", self.url + "/v1/chat/completions", body, timeout=timeout)
+        return http_json("POST", self.url + "/v1/chat/completions", body, timeout=timeout, token=self.token)
 
     def stream(self, body: dict, timeout: float = 600.0) -> Iterator[dict]:
         """POST a streaming chat request and yield each server-sent event's JSON as it arrives."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
-            conn.request("POST", "/v1/chat/completions", json.dumps(body | {"stream": True}),
-                         {"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json"}
+            if self.token:
+                headers["Authorization"] = f"Bearer {self.token}"
+            conn.request("POST", "/v1/chat/completions", json.dumps(body | {"stream": True}), headers)
             resp = conn.getresponse()
             assert resp.status == 200, (resp.status, resp.read())
             while line := resp.readline():

@@ -1,4 +1,4 @@
-"""A client that leaves mid-stream ends its generation: the head stops stepping and drops its session."""
+"""A client that leaves mid-stream ends its generation: the head stops stepping and every node frees its session."""
 
 from __future__ import annotations
 
@@ -41,3 +41,8 @@ def test_leaving_mid_stream_stops_the_generation(mesh):
     assert tail.get("/v1/status")["steps_served"] == steps_after_leaving, "the head kept stepping"
     assert steps_after_leaving < 900
     assert head.get("/v1/sessions")["sessions"] == []
+    deadline = time.monotonic() + 5  # the head releases the tail's session in the background
+    while tail.get("/v1/sessions")["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert tail.get("/v1/sessions")["sessions"] == [], "the tail still holds the abandoned session"
+    assert tail.get("/v1/status")["store"]["evictions"]["dropped"] >= 1

@@ -25,6 +25,7 @@ import aiohttp
 
 from daemon import wire
 from daemon.errors import BadRequest, CacheMiss, HopFailed, UpstreamError
+from daemon.logs import REQUEST_ID_HEADER, request_id
 from daemon.mesh.routing import Hop
 from daemon.mesh.text import TextStream
 
@@ -132,6 +133,7 @@ class HopClient:
 
     async def step(self, hop: Hop, activation: wire.Activation, headers: dict[str, str]) -> HopReply:
         url = hop.url.rstrip("/") + "/forward"
+        headers = headers | {REQUEST_ID_HEADER: request_id.get()}  # one id across every node of a generation
         seconds = self._timeout * max(1.0, activation.shape[1] / 32)
         timeout = aiohttp.ClientTimeout(total=seconds, sock_connect=min(seconds, 5.0))
         try:
@@ -368,3 +370,8 @@ async def generate(
             yield TokenEvent(-1, tail)
     finally:
         backend.drop_local_session(session_id)
+        if stats.finish_reason is None:
+            # abandoned (the client left) or failed: free this generation's sessions on every node now
+            for hop in route:
+                if not hop.local:
+                    client.release(hop.url, session_id)

@@ -148,6 +148,7 @@ class PeerDirectory:
             )
             for p in self.peers.values()
             if p.up and p.status and isinstance(p.status.get("start"), int) and isinstance(p.status.get("end"), int)
+            and not p.status.get("draining")  # a node shutting down takes no new generations
         ]
 
     def summaries(self) -> list[PeerSummary]:

@@ -131,12 +131,14 @@ class RoutePlanner:
 
     def __init__(self, local: Callable[[], Candidate], peers: PeerDirectory, num_layers: int, *,
                  explore: float = 0.1, failover_wait: float = 15.0, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_hop: Callable[[Hop, str | None, float], None] | None = None) -> None:
         self._local = local
         self.peers = peers
         self.num_layers = num_layers
         self.explore = explore
         self.failover_wait = failover_wait
+        self.on_hop = on_hop  # told every hop's (mode, milliseconds): metrics
         self.latency = LatencyModel(clock=clock)
         self._rng = rng or random.Random()
         self._clock = clock
@@ -183,6 +185,8 @@ class RoutePlanner:
             await self.peers.refresh(self.http)
 
     def observe(self, hop: Hop, *, mode: str | None, total_ms: float, compute_ms: float | None) -> None:
+        if self.on_hop is not None:
+            self.on_hop(hop, mode, total_ms)
         # a route's cost is its decode step: prefills and stateless steps scale with the sequence instead
         if mode == "decode":
             self.latency.observe(hop.url, layers=hop.layers, total_ms=total_ms, compute_ms=compute_ms,

@@ -12,18 +12,20 @@ from aiohttp import web
 from daemon.node import Node
 from daemon.server import forward, openai, status
 from daemon.server.errors import error_middleware
+from daemon.server.guard import auth_middleware, context_middleware, drain_middleware
 from daemon.server.keys import CLIENT, NODE
 
 log = logging.getLogger(__name__)
 
 PEER_REFRESH_SECONDS = 2.0
-MAX_BODY_BYTES = 256 * 1024 * 1024
 
 
 async def _client_ctx(app: web.Application):
-    # one keep-alive connection pool for every hop and every peer poll
+    # one keep-alive connection pool for every hop and every peer poll; the mesh token goes on each
+    token = app[NODE].config.token
+    headers = {"Authorization": f"Bearer {token}"} if token else None
     connector = aiohttp.TCPConnector(limit=64, keepalive_timeout=60)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
         app[CLIENT] = session
         app[NODE].planner.http = session
         yield
@@ -56,13 +58,15 @@ async def _node_ctx(app: web.Application):
 
 def create_app(node: Node) -> web.Application:
     """Build the node's application: routes, error mapping, shared client, peer polling."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    middlewares = [context_middleware, error_middleware, auth_middleware(node.config.token), drain_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=node.config.max_body_bytes)
     app[NODE] = node
     app.cleanup_ctx.extend([_client_ctx, _peer_poll_ctx, _node_ctx])
     app.router.add_post("/forward", forward.forward)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_get("/v1/models", openai.models)
     app.router.add_get("/health", status.health)
+    app.router.add_get("/metrics", status.metrics)
     app.router.add_get("/v1/status", status.status)
     app.router.add_get("/v1/sessions", status.sessions)
     app.router.add_delete("/v1/sessions/{session_id}", status.drop_session)

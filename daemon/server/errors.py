@@ -21,7 +21,8 @@ def error_response(exc: MeshError) -> web.Response:
         body = {"error": "cache_miss", "reason": exc.reason, "message": exc.message}
     else:
         body = error_body(exc.message, type=exc.type, code=exc.code, param=exc.param)
-    return web.json_response(body, status=exc.status)
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+    return web.json_response(body, status=exc.status, headers=headers)
 
 
 @web.middleware
@@ -31,6 +32,10 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except MeshError as exc:
         return error_response(exc)
+    except web.HTTPRequestEntityTooLarge as exc:
+        message = f"{exc.text}; this node's limit is --max-body-bytes"
+        return web.json_response(error_body(message, type="invalid_request_error", code="request_too_large"),
+                                 status=413)
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from daemon.errors import BadRequest, MeshError
+from daemon.errors import BadRequest, MeshError, TooManyGenerations
+from daemon.logs import REQUEST_ID_HEADER, request_id
 from daemon.mesh.generation import GenerationRequest, GenerationStats, HopClient, generate
 from daemon.server.errors import error_body
 from daemon.server.keys import CLIENT, NODE
@@ -125,15 +126,28 @@ def _usage(stats: GenerationStats) -> dict:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE]
+    if node.active_generations >= node.config.max_generations:
+        raise TooManyGenerations(
+            f"this node already runs {node.active_generations} generations, its limit (--max-generations); "
+            "retry shortly or use another node"
+        )
+    node.active_generations += 1  # taken before any await, so concurrent requests cannot all slip past the limit
+    try:
+        return await _chat(request, node)
+    finally:
+        node.active_generations -= 1
+
+
+async def _chat(request: web.Request, node) -> web.StreamResponse:
     try:
         body = await request.json()
     except ValueError:
         raise BadRequest("the request body is not valid JSON") from None
-    context = getattr(node.shard.config, "max_position_embeddings", None) or 1 << 20
+    context = node.context_length
     chat = parse_chat_request(
         body,
-        default_max_tokens=node.config.max_tokens_default,
-        max_tokens_cap=context,
+        default_max_tokens=min(node.config.max_tokens_default, node.config.max_tokens_cap),
+        max_tokens_cap=min(context, node.config.max_tokens_cap),
         default_sampling=node.shard.default_sampling(),
     )
     await node.ensure_head()
@@ -141,6 +155,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if len(prompt_ids) >= context:
         raise BadRequest(f"the prompt is {len(prompt_ids)} tokens; the model's context is {context}", param="messages")
     max_tokens = min(chat.max_tokens, context - len(prompt_ids))
+    started = time.perf_counter()
     route = await node.planner.plan_for_request()
     client = HopClient(request.app[CLIENT], hidden_size=node.hidden_size, timeout=node.config.hop_timeout_seconds)
     gen_request = GenerationRequest(prompt_ids, max_tokens, chat.sampling, chat.stop, chat.ignore_eos)
@@ -148,16 +163,35 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     completion_id = f"chatcmpl-{stats.session_id}"
     created = int(time.time())
     model = node.shard.info.name
+    log.info("generation %s: %d prompt tokens, up to %d new, route %s", stats.session_id, len(prompt_ids),
+             max_tokens, " -> ".join(f"{h.url}@{h.start_layer}" for h in route))
     events = generate(node, client, node.planner, route, gen_request, stats=stats)
-    node.active_generations += 1
-    # aclosing: a client that goes away mid-stream still ends the generation and drops its session now
+    # aclosing: a client that goes away mid-stream still ends the generation and frees its sessions now
     async with contextlib.aclosing(events):
         try:
-            return await _respond(request, events, stats, chat, completion_id, created, model)
+            return await _respond(request, _timed(events, node.metrics, started), stats, chat, completion_id,
+                                  created, model)
         finally:
-            node.active_generations -= 1
             node.generations += 1
             node.tokens_generated += stats.completion_tokens
+            node.metrics.generation_done(stats)
+            log.info("generation %s: %s after %d tokens (%s tok/s), %d re-prefills, %d failovers",
+                     stats.session_id, stats.finish_reason or "abandoned", stats.completion_tokens,
+                     f"{stats.decode_tokens_per_second:.1f}" if stats.decode_tokens_per_second else "-",
+                     stats.reprefills, stats.failovers)
+
+
+async def _timed(events, metrics, started: float):
+    """Pass the events through, timing the first token and the gaps between tokens for /metrics."""
+    last = None
+    async for event in events:
+        now = time.perf_counter()
+        if last is None:
+            metrics.ttft.observe(now - started)
+        else:
+            metrics.itl.observe(now - last)
+        last = now
+        yield event
 
 
 async def _respond(request, events, stats, chat: ChatRequest, completion_id, created, model) -> web.StreamResponse:
@@ -181,7 +215,8 @@ async def _respond(request, events, stats, chat: ChatRequest, completion_id, cre
 
 
 async def _stream(request, events, stats, chat: ChatRequest, completion_id, created, model) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           REQUEST_ID_HEADER: request_id.get()})
     await response.prepare(request)
 
     def chunk(delta: dict, finish_reason=None, **extra) -> bytes:

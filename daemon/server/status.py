@@ -6,13 +6,22 @@ import contextlib
 
 from aiohttp import web
 
-from daemon.errors import BadRequest, NotFound, RouteUnavailable
+from daemon.errors import BadRequest, Draining, NotFound, RouteUnavailable
+from daemon.metrics import CONTENT_TYPE
 from daemon.server.keys import CLIENT, NODE
 
 
 async def health(request: web.Request) -> web.Response:
     node = request.app[NODE]
+    if node.draining:
+        return web.json_response({"status": "draining", "layers": node.status().layers}, status=503,
+                                 headers={"Retry-After": str(Draining.retry_after)})
     return web.json_response({"status": "ok", "layers": node.status().layers})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[NODE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 async def status(request: web.Request) -> web.Response:
