@@ -12,7 +12,7 @@ from aiohttp import web
 from daemon.node import Node
 from daemon.server import forward, openai, status
 from daemon.server.errors import error_middleware
-from daemon.server.guard import auth_middleware, context_middleware, drain_middleware
+from daemon.server.guard import auth_middleware, body_limit_middleware, context_middleware, drain_middleware
 from daemon.server.keys import CLIENT, NODE
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ async def _node_ctx(app: web.Application):
 
 def create_app(node: Node) -> web.Application:
     """Build the node's application: routes, error mapping, shared client, peer polling."""
-    middlewares = [context_middleware, error_middleware, auth_middleware(node.config.token), drain_middleware]
+    middlewares = [context_middleware, error_middleware, auth_middleware(node.config.token),
+                   body_limit_middleware(node.config.max_body_bytes), drain_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=node.config.max_body_bytes)
     app[NODE] = node
     app.cleanup_ctx.extend([_client_ctx, _peer_poll_ctx, _node_ctx])

@@ -5,14 +5,26 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.web_protocol import RequestPayloadError
 
-from daemon.errors import CacheMiss, MeshError
+from daemon.errors import BadRequest, CacheMiss, MeshError
 
 log = logging.getLogger(__name__)
 
 
 def error_body(message: str, *, type: str, code: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+async def read_json(request: web.Request):
+    """The request body as JSON; anything unreadable (bad JSON, nesting too deep, an unknown charset) is a 400."""
+    try:
+        return await request.json()
+    except (ValueError, RecursionError, LookupError):
+        # ValueError covers bad JSON and undecodable text; RecursionError, JSON nested thousands deep;
+        # LookupError, a Content-Type naming a charset Python does not know
+        raise BadRequest("the request body is not valid JSON") from None
 
 
 def error_response(exc: MeshError) -> web.Response:
@@ -32,6 +44,11 @@ async def error_middleware(request: web.Request, handler):
         return await handler(request)
     except MeshError as exc:
         return error_response(exc)
+    except (RequestPayloadError, BadHttpMessage) as exc:
+        # e.g. a Content-Encoding the body does not actually have
+        message = f"the request body cannot be read: {exc}"
+        return web.json_response(error_body(message, type="invalid_request_error", code="invalid_request"),
+                                 status=400)
     except web.HTTPRequestEntityTooLarge as exc:
         message = f"{exc.text}; this node's limit is --max-body-bytes"
         return web.json_response(error_body(message, type="invalid_request_error", code="request_too_large"),

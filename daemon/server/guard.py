@@ -71,6 +71,21 @@ def auth_middleware(token: str | None):
     return check
 
 
+def body_limit_middleware(max_bytes: int):
+    """Refuse a body whose declared length is over the limit before reading a byte of it.
+
+    (aiohttp enforces ``client_max_size`` only while reading, after buffering up to the limit.)
+    """
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.content_length is not None and request.content_length > max_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=max_bytes, actual_size=request.content_length)
+        return await handler(request)
+
+    return check
+
+
 @web.middleware
 async def drain_middleware(request: web.Request, handler):
     if request.app[NODE].draining and request.path not in READ_ONLY:

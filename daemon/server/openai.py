@@ -19,7 +19,7 @@ from aiohttp import web
 from daemon.errors import BadRequest, MeshError, TooManyGenerations
 from daemon.logs import REQUEST_ID_HEADER, request_id
 from daemon.mesh.generation import GenerationRequest, GenerationStats, HopClient, generate
-from daemon.server.errors import error_body
+from daemon.server.errors import error_body, read_json
 from daemon.server.keys import CLIENT, NODE
 
 log = logging.getLogger(__name__)
@@ -139,10 +139,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _chat(request: web.Request, node) -> web.StreamResponse:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise BadRequest("the request body is not valid JSON") from None
+    body = await read_json(request)
     context = node.context_length
     chat = parse_chat_request(
         body,

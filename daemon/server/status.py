@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 
 from aiohttp import web
+from yarl import URL
 
 from daemon.errors import BadRequest, Draining, NotFound, RouteUnavailable
 from daemon.metrics import CONTENT_TYPE
+from daemon.server.errors import read_json
 from daemon.server.keys import CLIENT, NODE
 
 
@@ -48,17 +50,25 @@ async def route(request: web.Request) -> web.Response:
 
 
 def _peer_url(value) -> str:
-    if not isinstance(value, str) or not value.strip().startswith(("http://", "https://")) or len(value) > 2048:
-        raise BadRequest("url must be an http:// or https:// address", param="url")
-    return value.strip()
+    """A well-formed ``http(s)://host[:port]`` address, or a 400 (a junk peer would be polled forever)."""
+    problem = "url must be an http:// or https:// address like http://10.0.0.2:7070"
+    if not isinstance(value, str) or len(value) > 2048:
+        raise BadRequest(problem, param="url")
+    value = value.strip()
+    try:
+        url = URL(value)
+        port = url.port
+    except ValueError:
+        raise BadRequest(problem, param="url") from None
+    if url.scheme not in ("http", "https") or not url.host or not port or any(c.isspace() for c in value) \
+            or url.path not in ("", "/") or url.query_string or url.fragment or url.user:
+        raise BadRequest(problem, param="url")
+    return value
 
 
 async def add_peer(request: web.Request) -> web.Response:
     """Tell this node about another one (the console's "add peer"); it is polled at once."""
-    try:
-        body = await request.json()
-    except ValueError:
-        raise BadRequest("the request body is not valid JSON") from None
+    body = await read_json(request)
     url = _peer_url(body.get("url") if isinstance(body, dict) else None)
     node = request.app[NODE]
     node.peers.add(url)

@@ -1,0 +1,209 @@
+"""Sixteen concurrent chat streams through a two-node mesh whose KV stores hold only four sessions.
+
+Issue 5, "load". Both nodes run with ``--kv-max-sessions 4`` and a byte budget smaller than four
+full sessions, so the streams keep evicting each other's caches: their decode steps miss and the
+head re-prefills. Every stream must still finish with exactly transformers' greedy tokens, without
+a 5xx or an error event, while every poll of both nodes' ``/v1/status`` shows their stores within
+bounds. Throughput and p50/p95 latencies are printed (``pytest -s``) and written to
+``bench-results/soak.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.meshtest import Daemon, http_json, start_mesh
+
+PROMPTS = [
+    "Describe the water cycle to a ten-year-old.",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip.",
+    "Explain why the sky is blue in two sentences.",
+]
+STREAMS_PER_PROMPT = 4  # 16 streams
+TOKENS = 16
+MAX_SESSIONS = 4
+# a finished stream's session (~45 tokens) holds ~1 MB of K/V per node: this budget fits three, not four
+MAX_BYTES = 3 * 1024 * 1024
+RESULTS = Path(__file__).resolve().parents[1] / "bench-results" / "soak.json"
+
+
+def messages(prompt: str) -> list[dict]:
+    # a short system message instead of the template's default one: every re-prefill is ~30% cheaper
+    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
+
+
+@dataclass
+class StreamRun:
+    """What one client saw: its chunks' arrival times and the final ``meshnet`` stats."""
+
+    prompt: str
+    started: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # arrival of each chunk with content
+    ended: float = 0.0
+    stats: dict | None = None
+    errors: list = field(default_factory=list)
+
+    @property
+    def ttft_ms(self) -> float:
+        return (self.token_times[0] - self.started) * 1000.0
+
+    @property
+    def gaps_ms(self) -> list[float]:
+        return [(b - a) * 1000.0 for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+def run_stream(head: Daemon, run: StreamRun, start: threading.Barrier) -> None:
+    body = {"messages": messages(run.prompt), "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+    start.wait()
+    run.started = time.perf_counter()
+    try:
+        for event in head.stream(body, timeout=300):
+            if "error" in event:
+                run.errors.append(event)
+            elif event["choices"] and event["choices"][0]["delta"].get("content"):
+                run.token_times.append(time.perf_counter())
+            if event.get("choices") and event["choices"][0]["finish_reason"]:
+                run.stats = event["meshnet"] | {"finish_reason": event["choices"][0]["finish_reason"]}
+    except Exception as exc:  # noqa: BLE001 - a non-200 answer (Daemon.stream asserts) or a broken stream
+        run.errors.append(repr(exc))
+    run.ended = time.perf_counter()
+
+
+class StoreWatch:
+    """Polls both nodes' /v1/status until stopped, keeping every store snapshot and every bad answer."""
+
+    def __init__(self, daemons: list[Daemon]) -> None:
+        self.daemons = daemons
+        self.snapshots: list[tuple[str, dict]] = []
+        self.bad: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for d in self.daemons:
+                try:
+                    status, body = http_json("GET", d.url + "/v1/status", timeout=10)
+                except OSError as exc:
+                    status, body = repr(exc), {}
+                if status == 200:
+                    self.snapshots.append((d.layers, body["store"]))
+                else:
+                    self.bad.append((d.layers, status, body))
+            self._stop.wait(0.1)  # pacing between rounds, not synchronisation
+
+    def __enter__(self) -> StoreWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, round(p / 100 * len(ordered) + 0.5) - 1))]
+
+
+@pytest.fixture
+def mesh(default_model, tmp_path):
+    kv = ["--kv-max-sessions", str(MAX_SESSIONS), "--kv-max-bytes", str(MAX_BYTES)]
+    daemons = start_mesh(default_model, [("0-14", kv), ("15-29", kv)], log_dir=tmp_path)
+    try:
+        yield daemons
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+def test_sixteen_streams_through_four_kv_slots_all_finish_exactly(mesh, reference_tokens):
+    head, tail = mesh
+    expected = {p: reference_tokens(messages(p), TOKENS, ignore_eos=True) for p in PROMPTS}
+    runs = [StreamRun(p) for p in PROMPTS for _ in range(STREAMS_PER_PROMPT)]
+    start = threading.Barrier(len(runs))
+    threads = [threading.Thread(target=run_stream, args=(head, run, start)) for run in runs]
+    with StoreWatch(mesh) as watch:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads), "a stream did not finish within 10 minutes"
+    wall = max(r.ended for r in runs) - min(r.started for r in runs)
+
+    for i, run in enumerate(runs):
+        assert not run.errors, f"stream {i} ({run.prompt!r}): {run.errors}"
+        assert run.stats is not None, f"stream {i} ({run.prompt!r}) ended without a final chunk"
+        assert run.stats["finish_reason"] == "length", (i, run.stats)
+        assert run.stats["token_ids"] == expected[run.prompt], f"stream {i} ({run.prompt!r}) differs"
+        assert run.stats["failovers"] == 0, f"stream {i}: a hop failed (refused, timed out or a 5xx): {run.stats}"
+    for node in mesh:
+        assert "unhandled error" not in node.log(), f"{node.layers} logged a 500:\n{node.log()[-3000:]}"
+
+    # the stores stayed within their bounds on every poll, and the polls were many
+    assert not watch.bad, watch.bad[:5]
+    for node in (head, tail):
+        polled = [s for layers, s in watch.snapshots if layers == node.layers]
+        assert len(polled) >= 10, f"{node.layers}: only {len(polled)} polls"
+        assert polled[0]["max_sessions"] == MAX_SESSIONS and polled[0]["max_bytes"] == MAX_BYTES, polled[0]
+        over = [s for s in polled if s["sessions"] > MAX_SESSIONS or s["bytes"] > MAX_BYTES]
+        assert not over, f"{node.layers}: store over its bounds: {over[:3]}"
+
+    # the stores were too small for sixteen streams: caches were evicted, decode steps missed, the head re-prefilled
+    stores = {d.layers: d.get("/v1/status")["store"] for d in mesh}
+    reprefills = sum(r.stats["reprefills"] for r in runs)
+    misses = sum(r.stats["cache_misses"] for r in runs)
+    assert reprefills > 0 and misses > 0, (reprefills, misses)
+    assert sum(s["misses"] for s in stores.values()) > 0, stores
+    assert sum(s["evictions"]["lru"] + s["evictions"]["bytes"] for s in stores.values()) > 0, stores
+
+    ttft = [r.ttft_ms for r in runs]
+    gaps = [g for r in runs for g in r.gaps_ms]
+    tokens = sum(len(r.stats["token_ids"]) for r in runs)
+    report = {
+        "test": "soak",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version()},
+        "setup": {"nodes": ["0-14", "15-29"], "streams": len(runs), "distinct_prompts": len(PROMPTS),
+                  "max_tokens": TOKENS, "kv_max_sessions": MAX_SESSIONS, "kv_max_bytes": MAX_BYTES},
+        "wall_seconds": round(wall, 3),
+        "tokens": tokens,
+        "tokens_per_second": round(tokens / wall, 2),
+        "ttft_ms": {"p50": round(percentile(ttft, 50), 1), "p95": round(percentile(ttft, 95), 1)},
+        "per_token_ms": {"p50": round(percentile(gaps, 50), 1), "p95": round(percentile(gaps, 95), 1)},
+        "reprefills": reprefills,
+        "cache_misses": misses,
+        "store_polls": len(watch.snapshots),
+        "store_max": {layers: {"sessions": max(s["sessions"] for n, s in watch.snapshots if n == layers),
+                               "bytes": max(s["bytes"] for n, s in watch.snapshots if n == layers)}
+                      for layers in stores},
+        "stores": {layers: {k: s[k] for k in ("hits", "misses", "misses_by_reason", "evictions")}
+                   for layers, s in stores.items()},
+        "streams": [{"prompt": r.prompt, "ttft_ms": round(r.ttft_ms, 1), "seconds": round(r.ended - r.started, 3)}
+                    | {k: r.stats[k] for k in ("reprefills", "cache_misses", "prefill_ms", "first_token_ms")}
+                    | {"decode_tokens_per_second": r.stats["decode_tokens_per_second"]}
+                    for r in runs],
+    }
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nsoak: {len(runs)} streams x {TOKENS} tokens, kv {MAX_SESSIONS} sessions / {MAX_BYTES >> 20} MiB per node")
+    print(f"  {'throughput':<12} {report['tokens_per_second']:>8} tok/s   ({tokens} tokens in {wall:.1f} s)")
+    print(f"  {'':<12} {'p50':>8} {'p95':>8}")
+    for name, key in (("TTFT ms", "ttft_ms"), ("per-token ms", "per_token_ms")):
+        print(f"  {name:<12} {report[key]['p50']:>8} {report[key]['p95']:>8}")
+    print(f"  cache misses {misses}, re-prefills {reprefills}")
+    for layers, s in stores.items():
+        most = report["store_max"][layers]
+        print(f"  node {layers}: misses {s['misses']}, hits {s['hits']}, evictions {s['evictions']}, "
+              f"at most {most['sessions']} sessions / {most['bytes']} bytes over the polls")
+    print(f"  written to {RESULTS}")
