@@ -94,7 +94,15 @@ class MeshApp(App[None]):
         self.set_interval(1.0, self.tick)
         if self.local_mesh is not None:
             self._start_local_mesh()
-        elif self.poll:
+
+    def on_ready(self) -> None:
+        # the first frame is on screen and its footer fills in one refresh later; after that, what the
+        # frame did not need: the other views, and the first poll (which loads aiohttp, a third of a second)
+        self.call_after_refresh(self.call_after_refresh, self._after_first_frame)
+
+    async def _after_first_frame(self) -> None:
+        await self.main.mount_views()
+        if self.local_mesh is None and self.poll:
             self._poll_forever()
 
     def _apply_keys(self) -> None:

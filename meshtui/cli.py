@@ -112,13 +112,13 @@ def plan_console(args: argparse.Namespace, config: ConsoleConfig) -> ConsolePlan
 
 def local_mesh_for(plan: ConsolePlan):
     """The :class:`~meshtui.local.LocalMesh` a plan needs (not started), or None for ``connect``."""
+    if plan.kind == "connect":
+        return None  # before the import: meshtui.local loads aiohttp, a third of a second
     from meshtui.local import LocalMesh
 
     if plan.kind == "local":
         return LocalMesh(nodes=plan.nodes, model=plan.model)
-    if plan.kind == "peers":
-        return LocalMesh.head_only(port=plan.head_port, peers=plan.peers, layers=plan.layers, model=plan.model)
-    return None
+    return LocalMesh.head_only(port=plan.head_port, peers=plan.peers, layers=plan.layers, model=plan.model)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -127,6 +127,7 @@ async def test_evict_asks_first_then_evicts_on_the_right_node(daemons):
     head = await daemons(0, 15, peers=[worker.url], sessions=HEAD_SESSIONS)
     app = MeshApp(ConsoleConfig(poll_seconds=0.2), head_url=head.url, clock=FrozenClock())
     async with app.run_test(size=SIZE) as pilot:
+        await app.main.mount_views()  # mounted after the first frame, which shows only the Mesh view
         table = app.main.sessions_view.query_one("#sessions", KeyedTable)
         await wait_until(pilot, lambda: table.row_count == 3, "three sessions from two nodes")
         await pilot.press("2")
@@ -195,6 +196,7 @@ async def test_ttl_countdown_ticks_on_the_local_clock():
     node_now = NOW + node_clock_ahead
     sessions = [session("5d1e0c9a7b3f2e4d6c8a0b1c", 48, 0, idle=3, ttl_left=597, time=node_now)]
     async with app.run_test(size=SIZE) as pilot:
+        await app.main.mount_views()
         app.post_message(NodePolled(HEAD, node_status(HEAD, 0, 30), session_list(sessions, time=node_now)))
         await pilot.pause()
         table = app.main.sessions_view.query_one("#sessions", KeyedTable)
@@ -229,6 +231,33 @@ async def test_a_node_that_stops_answering_shows_down_and_comes_back(daemons):
         assert "connection refused" in text_of(app.main.mesh_view.query_one("#node-errors"))
         await worker.start()
         await wait_until(pilot, lambda: state_of(worker.url) == "● up", "the worker back up")
+
+
+async def test_node_rows_keep_the_configured_order_whichever_node_answers_first():
+    first_peer, second_peer = "http://10.0.0.2:7071", "http://10.0.0.1:7071"
+    learned = "http://10.0.0.3:7071"  # configured nowhere: the head reports it as a peer
+    app = MeshApp(ConsoleConfig(peers=[first_peer, second_peer]), head_url=HEAD, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        app.post_message(NodePolled(second_peer, node_status(second_peer, 20, 30), session_list([])))
+        app.post_message(NodePolled(HEAD, node_status(HEAD, 0, 10, peers=[learned, second_peer, first_peer]),
+                                    session_list([])))
+        app.post_message(NodePolled(learned, node_status(learned, 10, 20), session_list([])))
+        app.post_message(NodePolled(first_peer, node_status(first_peer, 10, 20), session_list([])))
+        await pilot.pause()
+        nodes = app.main.mesh_view.nodes
+        assert [row.key.value for row in nodes.ordered_rows] == [HEAD, first_peer, second_peer, learned]
+        assert all(str(nodes.get_cell(url, "state")) == "● up" for url in app.state.nodes)
+
+
+async def test_a_tab_clicked_at_once_shows_its_view_with_the_focus():
+    """The views besides Mesh mount just after the first frame; a click quicker than that mounts them at once."""
+    app = MeshApp(ConsoleConfig(), head_url=HEAD, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.click("#--content-tab-chat")
+        assert app.query_one(TabbedContent).active == "chat"
+        await wait_until(pilot, lambda: app.screen.focused is app.main.chat_view.prompt, "the prompt's focus")
+        await pilot.click("#--content-tab-sessions")
+        await wait_until(pilot, lambda: app.screen.focused is app.main.sessions_view.sessions, "the table's focus")
 
 
 async def test_keys_remapped_in_the_config_work_and_show():

@@ -2,53 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
-from textual.widgets import Input, Markdown, Static
-from textual.widgets.markdown import MarkdownStream
+from textual.widgets import Input, Static
 
 from meshtui.config import ChatSettings
 from meshtui.messages import CancelRequested, ChatSettingsChanged, PromptSubmitted
 from meshtui.screens.settings import ChatSettingsScreen
-from meshtui.screens.throughput import generation_stats
 from meshtui.state import GenerationRecord
 from meshtui.widgets.formatting import format_rate, plural
 
-
-class Answer(Vertical):
-    """One streamed answer: a Markdown body fed through a stream, and a line of what it cost."""
-
-    def __init__(self) -> None:
-        super().__init__(classes="answer")
-        self.body = Markdown()
-        self.stats = Static(Text("streaming…", style="dim"), classes="answer-stats")
-        self._stream: MarkdownStream | None = None
-
-    def compose(self) -> ComposeResult:
-        yield self.body
-        yield self.stats
-
-    def start(self) -> None:
-        self._stream = Markdown.get_stream(self.body)
-
-    async def write(self, text: str) -> None:
-        if self._stream is not None:
-            await self._stream.write(text)
-
-    async def finish(self, record: GenerationRecord) -> None:
-        if self._stream is not None:
-            await self._stream.stop()
-            self._stream = None
-        # render the whole text once more: fragments can leave a code fence or a list half-parsed
-        await self.body.update(record.text)
-        if record.outcome == "done":
-            self.stats.update(generation_stats(record))
-        elif record.outcome == "cancelled":
-            self.stats.update(Text(f"cancelled after {plural(record.tokens, 'token')}", style="yellow"))
-        else:
-            self.stats.update(Text(f"failed: {record.error}", style="bold red"))
+if TYPE_CHECKING:
+    from meshtui.screens.answer import Answer
 
 
 class ChatView(Vertical):
@@ -97,6 +66,8 @@ class ChatView(Vertical):
 
     async def begin(self, record: GenerationRecord) -> None:
         """Show the prompt and an empty answer that chunks will stream into."""
+        from meshtui.screens.answer import Answer  # Markdown and its parser load with the first answer
+
         self._streaming = record
         answer = self._answers[record.number] = Answer()
         await self.conversation.mount_all([Static(Text(record.prompt), classes="prompt"), answer])

@@ -1,7 +1,12 @@
-"""The main screen: the four views in tabs, switched by keys or the mouse, and the keys that work anywhere."""
+"""The main screen: the four views in tabs, switched by keys or the mouse, and the keys that work anywhere.
+
+The first frame holds the Mesh view only. The other views start hidden, so they mount once it is on
+screen (:meth:`MainScreen.mount_views`), or at once if the operator switches to one before that.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from textual.actions import parse as parse_action
@@ -26,6 +31,8 @@ VIEWS = {"mesh": "Mesh", "sessions": "Sessions", "throughput": "Throughput", "ch
 class MainScreen(Screen):
     """Holds the views; the app redraws them from :class:`MeshState` as messages arrive."""
 
+    AUTO_FOCUS = "#nodes"  # not Textual's first focusable (the tabs): each focus change at start recomposes the footer
+
     BINDINGS = [
         Binding("1", "show_view('mesh')", "Mesh", id="view.mesh"),
         Binding("2", "show_view('sessions')", "Sessions", id="view.sessions"),
@@ -46,66 +53,88 @@ class MainScreen(Screen):
         self.throughput_view = ThroughputView(state, id="throughput-view")
         self.chat_view = ChatView(config.chat, id="chat-view")
         self.tabs = TabbedContent(initial="mesh", id="views")
-        self._views_ready = False  # set once composed: until then on_mount will draw what arrived
+        self._later_views = {"sessions": self.sessions_view, "throughput": self.throughput_view, "chat": self.chat_view}
+        # what arrives before a view is mounted is drawn when it mounts: by on_mount, or by mount_views
+        self._mesh_ready = False
+        self._later_views_mounting = False
+        self._later_views_ready = asyncio.Event()
         self._typed_actions = self._actions_on_printable_keys()
 
     def compose(self) -> ComposeResult:
         yield Header()
-        views = (self.mesh_view, self.sessions_view, self.throughput_view, self.chat_view)
         with self.tabs:
-            for (view_id, title), view in zip(VIEWS.items(), views):
-                with TabPane(title, id=view_id):
-                    yield view
+            with TabPane(VIEWS["mesh"], id="mesh"):
+                yield self.mesh_view
+            for view_id in self._later_views:
+                yield TabPane(VIEWS[view_id], id=view_id)  # empty until mount_views
         yield Footer()
 
     def on_mount(self) -> None:
-        self._views_ready = True
-        self._focus_view("mesh")
+        self._mesh_ready = True
         self.show_loading()
         self.show_nodes()
         self.show_route()
 
-    # ---- redrawing, as the app asks; what arrives before the views exist is drawn by on_mount -----
+    async def mount_views(self) -> None:
+        """Mount the views the first frame left out, and draw them; a second call waits for the first."""
+        if self._later_views_mounting:
+            await self._later_views_ready.wait()
+            return
+        self._later_views_mounting = True
+        try:
+            if self.is_attached:  # not once the app has begun to exit
+                await asyncio.gather(*(self.tabs.get_pane(view_id).mount(view)
+                                       for view_id, view in self._later_views.items()))
+        finally:
+            self._later_views_ready.set()  # a caller waiting for the views must not wait forever
+        if self.is_attached:  # the app may have begun to exit while they mounted
+            self.show_nodes()
+
+    # ---- redrawing, as the app asks ----------------------------------------------------------------
 
     def show_nodes(self) -> None:
-        if self._views_ready:
-            now = self.clock()
+        now = self.clock()
+        if self._mesh_ready:
             self.mesh_view.show_nodes(now)
+        if self._later_views_ready.is_set():
             self.sessions_view.show_sessions(now)
             self.throughput_view.show_nodes()
 
     def show_route(self) -> None:
-        if self._views_ready:
+        if self._mesh_ready:
             self.mesh_view.show_route()
 
     def show_loading(self) -> None:
-        if self._views_ready:
+        if self._mesh_ready:
             self.mesh_view.show_loading()
             self.mesh_view.show_nodes(self.clock())
 
     def tick(self) -> None:
         """Countdowns and down-for times move on; nothing else changed."""
-        if self._views_ready:
-            now = self.clock()
+        now = self.clock()
+        if self._mesh_ready:
             self.mesh_view.show_nodes(now)
+        if self._later_views_ready.is_set():
             self.sessions_view.show_sessions(now)
 
     # ---- views -------------------------------------------------------------------------------------
 
-    def action_show_view(self, view: str) -> None:
+    async def action_show_view(self, view: str) -> None:
         self.tabs.active = view
-        self._focus_view(view)
+        await self._focus_view(view)
 
-    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
-        self._focus_view(event.pane.id or "mesh")
+    async def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        await self._focus_view(event.pane.id or "mesh")
 
-    def _focus_view(self, view: str) -> None:
+    async def _focus_view(self, view: str) -> None:
+        if view == "mesh":
+            self.mesh_view.nodes.focus()
+            return
+        await self.mount_views()  # at once, if the operator is quicker than the first frame
         if view == "chat":
             self.chat_view.focus_prompt()
         elif view == "sessions":
             self.sessions_view.focus_table()
-        elif view == "mesh":
-            self.mesh_view.nodes.focus()
         else:
             self.throughput_view.generations.focus()
 
