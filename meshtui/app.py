@@ -58,13 +58,16 @@ class MeshApp(App[None]):
         local_mesh=None,
         poll: bool = True,
         clock: Callable[[], float] = time.time,
+        token: str | None = None,
     ) -> None:
+        """``token``: the mesh token sent on every request (the command line resolves it with
+        :meth:`ConsoleConfig.mesh_token`: ``MESHNET_TOKEN``, else the config file's ``token``)."""
         super().__init__()
         self.config = config
         self.local_mesh = local_mesh
         self.poll = poll
         self.clock = clock
-        self.client = DaemonClient()
+        self.client = DaemonClient(token=token)
         self.state = MeshState(starting=local_mesh is not None)
         if head_url:
             self.state.set_head(normalize_url(head_url))
@@ -146,6 +149,7 @@ class MeshApp(App[None]):
             None if isinstance(status, BaseException) else status,
             None if isinstance(sessions, BaseException) else sessions,
             None if failure is None else str(failure),
+            None if failure is None else failure.status,
         ))
 
     async def _poll_route(self) -> None:
@@ -161,7 +165,8 @@ class MeshApp(App[None]):
         self._poll_now.set()
 
     def on_node_polled(self, message: NodePolled) -> None:
-        self.state.record_poll(message.url, message.status, message.sessions, message.error, self.clock())
+        self.state.record_poll(message.url, message.status, message.sessions, message.error, self.clock(),
+                               http_status=message.http_status)
         self.main.show_nodes()
 
     def on_route_polled(self, message: RoutePolled) -> None:

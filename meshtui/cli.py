@@ -54,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
         "file or --peer) it starts the local head daemon, or reuses one already serving on the "
         "config's head_port, and connects it to them; with --connect it attaches to a running head "
         "and starts nothing. Daemons it starts stop when it exits.",
-        epilog=f"Config file: --config, else $MESHTUI_CONFIG, else {default_config_path()}.",
+        epilog=f"Config file: --config, else $MESHTUI_CONFIG, else {default_config_path()}. "
+        "Mesh token: if the nodes need one (meshd's MESHNET_TOKEN), set MESHNET_TOKEN for the console too, "
+        "or token = \"...\" in the config file. The console sends it on every request and hands it to the "
+        "daemons it starts through their environment; there is no --token option, since command lines show "
+        "in ps.",
     )
     p.add_argument("--version", action="version", version=f"meshtui {__version__}")
     p.add_argument("--connect", metavar="URL",
@@ -110,21 +114,25 @@ def plan_console(args: argparse.Namespace, config: ConsoleConfig) -> ConsolePlan
     return ConsolePlan(kind="local", nodes=args.nodes or 2, model=args.model, head_port=config.head_port)
 
 
-def local_mesh_for(plan: ConsolePlan):
-    """The :class:`~meshtui.local.LocalMesh` a plan needs (not started), or None for ``connect``."""
+def local_mesh_for(plan: ConsolePlan, token: str | None = None):
+    """The :class:`~meshtui.local.LocalMesh` a plan needs (not started), or None for ``connect``.
+
+    ``token``: the mesh token its daemons require, and the console sends."""
     if plan.kind == "connect":
         return None  # before the import: meshtui.local loads aiohttp, a third of a second
     from meshtui.local import LocalMesh
 
     if plan.kind == "local":
-        return LocalMesh(nodes=plan.nodes, model=plan.model)
-    return LocalMesh.head_only(port=plan.head_port, peers=plan.peers, layers=plan.layers, model=plan.model)
+        return LocalMesh(nodes=plan.nodes, model=plan.model, token=token)
+    return LocalMesh.head_only(port=plan.head_port, peers=plan.peers, layers=plan.layers, model=plan.model,
+                               token=token)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = ConsoleConfig.load(Path(args.config) if args.config else None)
+        token = config.mesh_token()
         plan = plan_console(args, config)
     except (ConsoleConfigError, PlanError) as exc:
         return _fail(str(exc))
@@ -133,10 +141,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from meshtui.app import MeshApp
 
-    local_mesh = local_mesh_for(plan)
+    local_mesh = local_mesh_for(plan, token)
     head_url = plan.head_url or local_mesh.head_url
     try:
-        app = MeshApp(config, head_url=head_url, peer_urls=plan.peers, local_mesh=local_mesh, poll=True)
+        app = MeshApp(config, head_url=head_url, peer_urls=plan.peers, local_mesh=local_mesh, poll=True, token=token)
         if args.theme and args.theme not in app.available_themes:
             return _fail(f"--theme {args.theme}: no such theme; known: {', '.join(sorted(app.available_themes))}")
         restore = _stop_on_signals(app, local_mesh)

@@ -24,8 +24,17 @@ def _aiohttp():
     return aiohttp
 
 
+UNAUTHORIZED = "401: wrong or missing token — set MESHNET_TOKEN"
+
+
 class DaemonError(Exception):
-    """A daemon could not be reached or answered with an error; the message is fit for the screen."""
+    """A daemon could not be reached or answered with an error; the message is fit for the screen.
+
+    ``status`` is the HTTP status when the daemon answered one (401: the mesh token was refused)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -39,17 +48,20 @@ class ChatChunk:
 
 
 class DaemonClient:
-    """One keep-alive session for every daemon the console talks to."""
+    """One keep-alive session for every daemon the console talks to.
 
-    def __init__(self, *, timeout: float = 3.0, chat_timeout: float = 600.0) -> None:
+    With a mesh ``token`` every request carries ``Authorization: Bearer <token>``: one mesh, one token."""
+
+    def __init__(self, *, timeout: float = 3.0, chat_timeout: float = 600.0, token: str | None = None) -> None:
         self._timeout_seconds = timeout
         self._chat_timeout_seconds = chat_timeout
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._session: aiohttp.ClientSession | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = _aiohttp().ClientSession()
+            self._session = _aiohttp().ClientSession(headers=self._headers)
         return self._session
 
     async def close(self) -> None:
@@ -61,9 +73,11 @@ class DaemonClient:
         timeout = aiohttp.ClientTimeout(total=self._timeout_seconds)
         try:
             async with self.session.request(method, url, timeout=timeout, **kwargs) as resp:
+                if resp.status == 401:
+                    raise DaemonError(UNAUTHORIZED, 401)
                 body = await resp.json(content_type=None)
                 if resp.status >= 400:
-                    raise DaemonError(_error_message(body, resp.status))
+                    raise DaemonError(_error_message(body, resp.status), resp.status)
                 return body
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise DaemonError(_describe(exc)) from None
@@ -97,8 +111,10 @@ class DaemonClient:
         timeout = aiohttp.ClientTimeout(total=self._chat_timeout_seconds, sock_read=120.0)
         try:
             async with self.session.post(f"{url}/v1/chat/completions", json=body, timeout=timeout) as resp:
+                if resp.status == 401:
+                    raise DaemonError(UNAUTHORIZED, 401)
                 if resp.status != 200:
-                    raise DaemonError(_error_message(await resp.json(content_type=None), resp.status))
+                    raise DaemonError(_error_message(await resp.json(content_type=None), resp.status), resp.status)
                 async for raw in resp.content:
                     line = raw.decode("utf-8", "replace").strip()
                     if not line.startswith("data: "):

@@ -7,6 +7,7 @@
     poll_seconds = 1.0
     local_layers = "0-14"               # what the local head hosts when peers are configured
     head_port = 7070
+    token = "..."                       # the mesh token, when the nodes need one (MESHNET_TOKEN wins)
 
     [keys]                              # binding id -> key(s), shown in the footer
     "chat.cancel" = "escape"
@@ -19,12 +20,16 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import platformdirs
 import tomli_w
+
+TOKEN_VARIABLE = "MESHNET_TOKEN"
+_TOKEN = re.compile(r"[!-~]{16,256}")  # meshd's rule: printable ASCII without spaces, since it travels in a header
 
 
 def default_config_path() -> Path:
@@ -59,6 +64,7 @@ class ConsoleConfig:
     poll_seconds: float = 1.0
     local_layers: str | None = None
     head_port: int = 7070
+    token: str | None = field(default=None, repr=False)  # from the file; mesh_token() is the one used
     keys: dict[str, str] = field(default_factory=dict)
     chat: ChatSettings = field(default_factory=ChatSettings)
     path: Path | None = field(default=None, repr=False, compare=False)
@@ -73,7 +79,7 @@ class ConsoleConfig:
             data = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, OSError) as exc:
             raise ConsoleConfigError(f"{path}: {exc}") from None
-        known = {"peers", "theme", "poll_seconds", "local_layers", "head_port", "keys", "chat"}
+        known = {"peers", "theme", "poll_seconds", "local_layers", "head_port", "token", "keys", "chat"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConsoleConfigError(f"{path}: unknown keys {unknown}; known keys are {sorted(known)}")
@@ -86,7 +92,22 @@ class ConsoleConfig:
             raise ConsoleConfigError(f"{path}: peers must be a list of URLs")
         if not isinstance(config.keys, dict) or not all(isinstance(v, str) for v in config.keys.values()):
             raise ConsoleConfigError(f"{path}: [keys] maps binding ids to key names")
+        if config.token is not None and not (isinstance(config.token, str) and _TOKEN.fullmatch(config.token)):
+            raise ConsoleConfigError(f"{path}: token must be 16-256 printable ASCII characters without spaces")
         return config
+
+    def mesh_token(self, environ: dict[str, str] | None = None) -> str | None:
+        """The token the console sends: ``MESHNET_TOKEN`` if set, else the file's ``token``, else none.
+
+        The environment wins, as it does for meshd; the token is never a command-line option (``ps`` shows those).
+        """
+        environ = os.environ if environ is None else environ
+        token = environ.get(TOKEN_VARIABLE) or None
+        if token is None:
+            return self.token
+        if not _TOKEN.fullmatch(token):
+            raise ConsoleConfigError(f"{TOKEN_VARIABLE} must be 16-256 printable ASCII characters without spaces")
+        return token
 
     def save(self) -> None:
         """Write the file atomically (the operator may be editing peers from two consoles)."""
@@ -95,7 +116,10 @@ class ConsoleConfig:
         data = {k: v for k, v in asdict(self).items() if k != "path" and v is not None}
         data["chat"] = {k: v for k, v in data["chat"].items() if v is not None}
         tmp = path.with_suffix(".toml.tmp")
-        tmp.write_text(tomli_w.dumps(data))
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "w") as file:
+            if self.token:  # a file holding the mesh token is for its owner's eyes only
+                os.fchmod(file.fileno(), 0o600)
+            file.write(tomli_w.dumps(data))
         tmp.replace(path)
 
     def add_peer(self, url: str) -> bool:

@@ -15,6 +15,10 @@ says where it is. A Hugging Face folder is read as it is. Anything else (a ``.gg
 built-in model's name) is resolved by a child with meshd's own code, which converts a ``.gguf`` once
 into meshd's cache, so the layer count comes from a ``config.json`` and every node loads the same
 converted folder instead of converting it again.
+
+The mesh token: the children get the console's token (``MESHNET_TOKEN`` or the config's ``token``)
+through their environment, never on their command line, where ``ps`` would show it; the console's
+own requests to them carry it too.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pathlib import Path
 import aiohttp
 
 from daemon.api import format_layers, parse_layers
+from meshtui.config import TOKEN_VARIABLE
 
 Progress = Callable[[str, str], None]
 
@@ -156,7 +161,7 @@ class _Child:
     """One child process whose merged stdout/stderr a thread drains line by line, whatever the
     event loop is doing, so the pipe never fills and the last lines are at hand for errors."""
 
-    def __init__(self, label: str, argv: list[str], *, on_line: Callable[[str, str], None],
+    def __init__(self, label: str, argv: list[str], *, env: dict[str, str], on_line: Callable[[str, str], None],
                  on_exit: Callable[[str, int], None], log_path: Path | None) -> None:
         self.label = label
         self.argv = argv
@@ -166,7 +171,7 @@ class _Child:
         self._log = open(log_path, "a", encoding="utf-8") if log_path else None
         self.process = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=os.environ | {"PYTHONUNBUFFERED": "1"},
+            env=env | {"PYTHONUNBUFFERED": "1"},
             preexec_fn=_die_with_parent(),
             start_new_session=True,  # the terminal's signals go to the console, which stops us in order
         )
@@ -229,7 +234,7 @@ class LocalMesh:
 
     def __init__(self, *, nodes: int = 2, model: str | None = None, host: str = LOOPBACK,
                  base_port: int | None = None, peers: Sequence[str] = (), layers: Sequence[str] | None = None,
-                 log_dir: Path | None = None) -> None:
+                 log_dir: Path | None = None, token: str | None = None) -> None:
         if layers is not None:
             layers = list(layers)
             for text in layers:
@@ -242,6 +247,10 @@ class LocalMesh:
         self.peers = list(peers)
         self.layers = layers
         self.log_dir = Path(log_dir) if log_dir else None
+        # the children run with exactly this token (or none): cli.main resolved it from MESHNET_TOKEN or the config
+        env = {k: v for k, v in os.environ.items() if k != TOKEN_VARIABLE}
+        self.child_env = env | ({TOKEN_VARIABLE: token} if token else {})
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         ports = [base_port + i for i in range(nodes)] if base_port else [free_port(host) for _ in range(nodes)]
         self.urls: list[str] = [_url(host, p) for p in ports]
         self.head_url: str = self.urls[0]
@@ -259,12 +268,13 @@ class LocalMesh:
 
     @classmethod
     def head_only(cls, *, port: int = 7070, peers: Sequence[str] = (), layers: str | None = None,
-                  model: str | None = None, host: str = LOOPBACK, log_dir: Path | None = None) -> LocalMesh:
+                  model: str | None = None, host: str = LOOPBACK, log_dir: Path | None = None,
+                  token: str | None = None) -> LocalMesh:
         """The local head next to remote ``peers``: reuses whatever already answers ``/health`` on
         ``port`` (starting nothing), or starts one meshd hosting ``layers`` with ``--peer`` for each
         peer. Without ``layers`` it hosts the layers no reachable peer hosts (every layer if none answers)."""
         mesh = cls(nodes=1, model=model, host=host, base_port=port, peers=peers,
-                   layers=[layers] if layers else None, log_dir=log_dir)
+                   layers=[layers] if layers else None, log_dir=log_dir, token=token)
         mesh._head_only = True
         return mesh
 
@@ -292,7 +302,7 @@ class LocalMesh:
                 self.reused = True
                 progress("head", f"reusing the meshd already serving on {self.head_url}")
                 for peer in self.peers:
-                    progress("head", await _introduce(self.head_url, peer))
+                    progress("head", await _introduce(self.head_url, peer, self._headers))
                 return
             folder = await self._model_folder()
             ranges = await self._plan_layers(model_num_layers(folder), progress)
@@ -333,7 +343,7 @@ class LocalMesh:
             return  # remote peers may be down or slow: the console shows the route as it is
         error = "no answer"
         while time.monotonic() < deadline:
-            error = await _route_error(self.head_url)
+            error = await _route_error(self.head_url, self._headers)
             if error is None:
                 return
             await asyncio.sleep(0.3)
@@ -369,7 +379,7 @@ class LocalMesh:
             if self._stopping:
                 raise LocalMeshError("the local mesh is stopping")
             on_exit = self._report_exit if report_exit else lambda label, code: None
-            child = _Child(label, argv, on_line=self._deliver, on_exit=on_exit, log_path=log_path)
+            child = _Child(label, argv, env=self.child_env, on_line=self._deliver, on_exit=on_exit, log_path=log_path)
             self._children.append(child)
         return child
 
@@ -414,7 +424,7 @@ class LocalMesh:
                 return split_layers(num_layers, len(self.nodes))
             except ValueError as exc:
                 raise LocalMeshError(f"{exc}: the model has {num_layers} layers; use fewer nodes") from None
-        hosted = [r for r in await asyncio.gather(*(_hosted_layers(p) for p in self.peers)) if r]
+        hosted = [r for r in await asyncio.gather(*(_hosted_layers(p, self._headers) for p in self.peers)) if r]
         layers = layers_left_by(num_layers, hosted)
         if self.peers:
             what = ", ".join(format_layers(*r) for r in hosted) or "nothing (no peer answered)"
@@ -431,23 +441,25 @@ async def _answers_health(url: str, timeout: float = 1.5) -> bool:
         return False
 
 
-async def _route_error(head_url: str) -> str | None:
+async def _route_error(head_url: str, headers: dict[str, str]) -> str | None:
     """None once the head's route covers every layer, else why not."""
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3.0)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3.0), headers=headers) as session:
             async with session.get(f"{head_url}/v1/route", params={"refresh": "1"}) as resp:
                 body = await resp.json(content_type=None)
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
+    if resp.status == 401:
+        return "401: wrong or missing token"
     if body.get("error") or not body.get("hops"):
-        return body.get("error") or "no hops"
+        return str(body.get("error") or "no hops")
     return None
 
 
-async def _hosted_layers(peer: str) -> tuple[int, int] | None:
+async def _hosted_layers(peer: str, headers: dict[str, str]) -> tuple[int, int] | None:
     """The half-open layer range a peer hosts, from its ``/v1/status``; None if it does not answer."""
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3.0)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3.0), headers=headers) as session:
             async with session.get(f"{peer}/v1/status") as resp:
                 body = await resp.json(content_type=None)
         return int(body["start"]), int(body["end"])
@@ -455,13 +467,15 @@ async def _hosted_layers(peer: str) -> tuple[int, int] | None:
         return None
 
 
-async def _introduce(head_url: str, peer: str) -> str:
+async def _introduce(head_url: str, peer: str, headers: dict[str, str]) -> str:
     """Tell a running head about a peer (``POST /v1/peers``); a line saying how it went."""
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0), headers=headers) as session:
             async with session.post(f"{head_url}/v1/peers", json={"url": peer}) as resp:
                 if resp.status == 200:
                     return f"told it about the peer {peer}"
+                if resp.status == 401:
+                    return f"it refused the peer {peer}: 401, wrong or missing token (set {TOKEN_VARIABLE})"
                 return f"it refused the peer {peer}: HTTP {resp.status} {(await resp.text())[:200]}"
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         return f"could not tell it about the peer {peer}: {type(exc).__name__}: {exc}"

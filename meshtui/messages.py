@@ -14,15 +14,17 @@ from meshtui.config import ChatSettings
 
 
 class NodePolled(Message):
-    """One node answered a poll (``status`` and ``sessions``), or did not (``error``)."""
+    """One node answered a poll (``status`` and ``sessions``), or did not (``error``, with the HTTP
+    status if it answered one: 401 is a refused mesh token)."""
 
     def __init__(self, url: str, status: NodeStatus | None, sessions: SessionList | None,
-                 error: str | None = None) -> None:
+                 error: str | None = None, http_status: int | None = None) -> None:
         super().__init__()
         self.url = url
         self.status = status
         self.sessions = sessions
         self.error = error
+        self.http_status = http_status
 
 
 class RoutePolled(Message):

@@ -6,12 +6,14 @@ Times are local clock seconds unless a name says otherwise. A node's own clock i
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from daemon.api import ModelSummary, NodeStatus, RouteInfo, SessionInfo, SessionList
 
 GRAPH_POINTS = 60  # samples kept for each tokens/s graph
 LOADING_LINES = 4  # start-up lines kept per local node
+ROUTE_EVENTS_SHOWN = 4
 
 
 @dataclass
@@ -22,6 +24,7 @@ class NodeState:
     status: NodeStatus | None = None
     sessions: SessionList | None = None
     error: str | None = None
+    http_status: int | None = None  # of the last failed poll, if the node answered one
     polled: bool = False
     last_seen: float | None = None
     clock_offset: float = 0.0  # the node's clock minus ours, measured when its session list arrived
@@ -33,13 +36,30 @@ class NodeState:
         return self.polled and self.error is None
 
     @property
+    def unauthorized(self) -> bool:
+        """The node answered, but refused the console's mesh token (or its lack of one)."""
+        return self.error is not None and self.http_status == 401
+
+    @property
+    def draining(self) -> bool:
+        """Up, but shutting down: it finishes its generations and heads route nothing new through it."""
+        return self.up and self.status is not None and self.status.draining
+
+    @property
+    def serving(self) -> bool:
+        """Up and taking new work: what counts for coverage."""
+        return self.up and not self.draining
+
+    @property
     def live_sessions(self) -> list[SessionInfo]:
         """Sessions worth showing: a down node's list is stale, so none."""
         return self.sessions.sessions if self.up and self.sessions else []
 
-    def record(self, status: NodeStatus | None, sessions: SessionList | None, error: str | None, now: float) -> None:
+    def record(self, status: NodeStatus | None, sessions: SessionList | None, error: str | None, now: float,
+               http_status: int | None = None) -> None:
         self.polled = True
         self.error = error
+        self.http_status = http_status if error is not None else None
         if error is None:
             self.last_seen = now
         if status is not None:
@@ -155,12 +175,12 @@ class MeshState:
         return list(self.nodes)
 
     def record_poll(self, url: str, status: NodeStatus | None, sessions: SessionList | None,
-                    error: str | None, now: float) -> None:
+                    error: str | None, now: float, *, http_status: int | None = None) -> None:
         """Apply one node's poll; the head's peer list adds nodes the console was not told about."""
         node = self.nodes.get(url)
         if node is None:
             return  # removed while its poll was in flight
-        node.record(status, sessions, error, now)
+        node.record(status, sessions, error, now, http_status)
         if url == self.head_url and status is not None:
             for peer in status.peers:
                 self.add_node(peer.url)
@@ -175,6 +195,17 @@ class MeshState:
         """The head's route, unless the head stopped answering: then the last one known is stale."""
         return self.route if self.route_error is None else None
 
+    def recent_route_events(self, limit: int = ROUTE_EVENTS_SHOWN) -> list[RouteEvent]:
+        """The head's latest failovers, reroutes and failures to find a route, newest first."""
+        route = self.current_route
+        if route is None:
+            return []
+        return [RouteEvent.from_dict(e) for e in reversed(route.events[-limit:]) if isinstance(e, dict)]
+
+    @property
+    def draining(self) -> int:
+        return sum(n.draining for n in self.nodes.values())
+
     @property
     def model(self) -> ModelSummary | None:
         """The model as the head reports it, else as any node does."""
@@ -185,9 +216,9 @@ class MeshState:
         return statuses[0].model if statuses else None
 
     def coverage(self) -> list[int]:
-        """How many up nodes host each layer of the model: 0 is a gap, above 1 an overlap."""
+        """How many serving nodes (up, not draining) host each layer of the model: 0 is a gap, above 1 an overlap."""
         model = self.model
-        ranges = [(n.status.start, n.status.end) for n in self.nodes.values() if n.up and n.status is not None]
+        ranges = [(n.status.start, n.status.end) for n in self.nodes.values() if n.serving and n.status is not None]
         return layer_coverage(model.num_layers if model else 0, ranges)
 
     def add_loading_line(self, label: str, line: str) -> None:
@@ -211,6 +242,51 @@ class MeshState:
         if record.text and outcome in ("done", "cancelled"):
             self.conversation += [{"role": "user", "content": record.prompt},
                                   {"role": "assistant", "content": record.text}]
+
+
+@dataclass(frozen=True)
+class RouteEvent:
+    """One of the head's route changes (``daemon.api.RouteInfo.events``), with its reason cut to a few words."""
+
+    time: float  # the head's clock
+    kind: str  # failover | reroute | no_route
+    failed: str | None  # the node whose hop failed
+    reason: str
+    position: int | None  # where the sequence was (prompt and answer tokens so far) when it happened
+    route: tuple[str, ...] = ()  # the new route's nodes in order, the head's own hop as "local"
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RouteEvent:
+        failed = data.get("failed") or None
+        kind = str(data.get("kind") or "event")
+        return cls(
+            time=float(data.get("time") or 0.0), kind=kind, failed=failed,
+            reason=short_reason(kind, str(data.get("reason") or ""), failed),
+            position=data.get("position"),
+            route=tuple("local" if h.get("local") else str(h["url"])
+                        for h in data.get("route") or [] if isinstance(h, dict) and "url" in h),
+        )
+
+
+_LAYERS = re.compile(r"serves layers (\d+-\d+)")
+_STEP_MS = re.compile(r"expected ([\d.]+) ms per step")
+_STATUS = re.compile(r"answered (\d{3})")
+
+
+def short_reason(kind: str, reason: str, failed: str | None = None) -> str:
+    """A daemon's reason in a few words: ``http://…:7072 is unreachable: ClientConnectorError…`` -> ``unreachable``."""
+    if failed and reason.startswith(failed):
+        reason = reason[len(failed):].strip()
+    if kind == "no_route" and (match := _LAYERS.search(reason)):
+        return f"no node for layers {match.group(1)}"
+    if kind == "reroute" and (match := _STEP_MS.search(reason)):
+        return f"old route {match.group(1)} ms/step"
+    if reason.startswith("is unreachable"):
+        return "timed out" if "timed out" in reason else "unreachable"
+    if match := _STATUS.match(reason):
+        return f"answered {match.group(1)}"
+    reason = re.split(r"[:;]", reason, maxsplit=1)[0].strip()
+    return reason if len(reason) <= 40 else reason[:39] + "…"
 
 
 def layer_coverage(num_layers: int, ranges: list[tuple[int, int]]) -> list[int]:

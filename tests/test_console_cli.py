@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from meshtui.cli import ConsolePlan, PlanError, build_parser, local_mesh_for, plan_console
-from meshtui.config import ConsoleConfig
+from meshtui.config import ConsoleConfig, ConsoleConfigError
 
 SCRIPT = Path(sys.executable).with_name("meshtui")  # installed by `pip install -e .`
 
@@ -41,6 +41,8 @@ def test_help_documents_every_option():
                    "--theme NAME", "--version", "--help"):
         assert option in result.stdout, option
     assert "repeatable" in result.stdout and "meshtui.toml" in result.stdout
+    assert "MESHNET_TOKEN" in result.stdout  # the token's only ways in: the environment and the config file
+    assert not [a for a in build_parser()._actions if "--token" in a.option_strings]
 
 
 def test_version_and_python_dash_m():
@@ -53,6 +55,7 @@ def test_version_and_python_dash_m():
     ("peers = [", "meshtui.toml"),  # not TOML at all
     ("peers = 3\n", "peers must be a list"),
     ("colour = 'red'\n", "unknown keys"),
+    ("token = 'short'\n", "token must be 16-256 printable ASCII characters"),
 ])
 def test_a_bad_config_file_is_one_line_and_exit_2(tmp_path, text, expected):
     path = tmp_path / "meshtui.toml"
@@ -62,6 +65,26 @@ def test_a_bad_config_file_is_one_line_and_exit_2(tmp_path, text, expected):
     assert result.stderr.startswith("meshtui: error: ") and expected in result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+def test_the_mesh_token_comes_from_the_environment_else_the_config_file(tmp_path):
+    config = ConsoleConfig(token="from-the-config-file", path=tmp_path / "meshtui.toml")
+    assert config.mesh_token({}) == "from-the-config-file"
+    assert config.mesh_token({"MESHNET_TOKEN": "from-the-environment"}) == "from-the-environment"
+    assert config.mesh_token({"MESHNET_TOKEN": ""}) == "from-the-config-file"  # set but empty: not set
+    assert ConsoleConfig().mesh_token({}) is None
+    with pytest.raises(ConsoleConfigError, match="MESHNET_TOKEN must be"):
+        config.mesh_token({"MESHNET_TOKEN": "has a space in it"})
+    assert "from-the-config-file" not in repr(config)
+    config.add_peer("10.0.0.2:7071")  # the console rewrites its file: the token stays, for its owner's eyes only
+    assert ConsoleConfig.load(config.path).token == "from-the-config-file"
+    assert config.path.stat().st_mode & 0o077 == 0
+
+
+def test_a_bad_mesh_token_in_the_environment_is_exit_2(tmp_path):
+    result = meshtui("--config", str(tmp_path / "meshtui.toml"), "--connect", "127.0.0.1:9",
+                     env={"MESHNET_TOKEN": "short"})
+    assert result.returncode == 2 and result.stderr.startswith("meshtui: error: MESHNET_TOKEN must be")
 
 
 def test_options_that_do_not_fit_are_exit_2_before_anything_starts(tmp_path):
@@ -126,6 +149,12 @@ def test_each_plan_builds_the_local_mesh_it_needs_without_starting_it():
     head = local_mesh_for(plan(peers=["http://10.0.0.2:7071"], head_port=7099, local_layers="0-14"))
     assert head.urls == ["http://127.0.0.1:7099"] and head.peers == ["http://10.0.0.2:7071"]
     assert head.layers == ["0-14"] and head.processes == []
+    # the mesh token reaches the daemons through their environment, never their command line
+    assert "MESHNET_TOKEN" not in mesh.child_env
+    tokened = local_mesh_for(plan(), token="s3cret-mesh-token-0123")
+    assert tokened.child_env["MESHNET_TOKEN"] == "s3cret-mesh-token-0123"
+    assert local_mesh_for(plan(peers=["http://10.0.0.2:7071"]), token="s3cret-mesh-token-0123") \
+        .child_env["MESHNET_TOKEN"] == "s3cret-mesh-token-0123"
 
 
 def test_the_console_modules_never_import_torch():

@@ -59,8 +59,8 @@ async def eventually(check, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def get(url: str) -> tuple[int, dict]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+async def get(url: str, headers: dict | None = None) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), headers=headers) as session:
         async with session.get(url) as resp:
             return resp.status, await resp.json(content_type=None)
 
@@ -221,6 +221,26 @@ async def test_the_built_in_model_is_fetched_split_and_stopped_without_a_trace()
     assert all(p.returncode is not None for p in local.processes)
     await asyncio.sleep(0.2)
     assert not any("exited" in line or "killed" in line for _, line in progress.lines)  # stopping is not news
+
+
+async def test_the_mesh_token_guards_the_local_mesh_and_stays_off_command_lines(tiny_model):
+    token = "s3cret-mesh-token-0123"
+    local = LocalMesh(model=str(tiny_model("llama")), nodes=2, token=token)
+    await local.start(Progress())  # ready only once the head's route answered, which takes the token
+    try:
+        assert (await get(f"{local.head_url}/v1/status"))[0] == 401
+        status, body = await get(f"{local.head_url}/v1/status", {"Authorization": f"Bearer {token}"})
+        assert status == 200 and all(peer["up"] for peer in body["peers"])  # the nodes use it among themselves
+        for process in local.processes:
+            assert token not in Path(f"/proc/{process.pid}/cmdline").read_text()  # ps shows command lines
+            assert f"MESHNET_TOKEN={token}" in Path(f"/proc/{process.pid}/environ").read_text().split("\0")
+        # a console reusing the running head introduces its peers with the token too
+        progress = Progress()
+        reused = LocalMesh.head_only(port=local.nodes[0].port, peers=["http://127.0.0.1:9"], token=token)
+        await reused.start(progress)
+        assert reused.reused and "told it about the peer http://127.0.0.1:9" in progress.of("head")
+    finally:
+        local.stop()
 
 
 async def test_a_node_killed_from_outside_is_reported(tiny_model):

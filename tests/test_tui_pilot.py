@@ -1,4 +1,4 @@
-"""The console driven by keys against stub daemons on 127.0.0.1: chat, cancel, evict, peers, keys, down/up.
+"""The console driven by keys against stub daemons on 127.0.0.1: chat, cancel, evict, peers, keys, down/up, the token.
 
 The stub serves the JSON shapes of ``daemon.api`` and an SSE chat stream, and records what the
 console asked of it, so these tests run the console's real HTTP client without loading a model.
@@ -19,6 +19,7 @@ from textual.widgets import Input, Markdown, Static, TabbedContent
 from textual.worker import WorkerState
 
 from meshtui.app import MeshApp
+from meshtui.client import UNAUTHORIZED
 from meshtui.config import ConsoleConfig
 from meshtui.messages import NodePolled
 from meshtui.screens.modals import ConfirmScreen, PeerScreen
@@ -29,6 +30,7 @@ from tests.tui_data import (
     HEAD,
     HEAD_SESSIONS,
     NOW,
+    TOKEN,
     WORKER_SESSIONS,
     FrozenClock,
     StubDaemon,
@@ -231,6 +233,40 @@ async def test_a_node_that_stops_answering_shows_down_and_comes_back(daemons):
         assert "connection refused" in text_of(app.main.mesh_view.query_one("#node-errors"))
         await worker.start()
         await wait_until(pilot, lambda: state_of(worker.url) == "● up", "the worker back up")
+
+
+async def test_the_console_sends_the_mesh_token_on_every_request(daemons):
+    worker = await daemons(15, 30, token=TOKEN)
+    head = await daemons(0, 15, peers=[worker.url], token=TOKEN, stats={"failovers": 1, "reprefills": 1})
+    app = MeshApp(ConsoleConfig(poll_seconds=0.2), head_url=head.url, token=TOKEN)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: all(app.state.nodes[d.url].up for d in (head, worker)), "both nodes up")
+        await wait_until(pilot, lambda: app.state.route is not None, "the route")
+        await ask(pilot, "hi")
+        await wait_until(pilot, lambda: app.state.generations and app.state.generations[-1].finished, "the answer")
+        assert app.state.generations[-1].outcome == "done"
+        # the answer moved once mid-way: its footer says so, and says nothing of reroutes, which did not happen
+        stats = text_of(app.main.chat_view.query(".answer-stats").last())
+        assert "1 failover" in stats and "reroute" not in stats
+    asked = {path for path, _ in head.authorizations} | {path for path, _ in worker.authorizations}
+    assert {"/v1/status", "/v1/sessions", "/v1/route", "/v1/chat/completions"} <= asked
+    assert {given for _, given in head.authorizations + worker.authorizations} == {f"Bearer {TOKEN}"}
+
+
+async def test_a_node_that_refuses_the_token_says_so(daemons):
+    head = await daemons(0, 30, token=TOKEN)
+    app = MeshApp(ConsoleConfig(poll_seconds=0.2), head_url=head.url)  # no token
+    async with app.run_test(size=SIZE) as pilot:
+        nodes = app.main.mesh_view.nodes
+        await wait_until(pilot, lambda: app.state.nodes[head.url].polled, "the first poll")
+        assert str(nodes.get_cell(head.url, "state")) == "✕ 401"
+        assert text_of(app.main.mesh_view.query_one("#node-errors")) == f"{head.url[7:]}: {UNAUTHORIZED}"
+        await wait_until(pilot, lambda: app.state.route_error is not None, "the route poll")
+        assert UNAUTHORIZED in text_of(app.main.mesh_view.query_one("#route-error"))
+        await ask(pilot, "hi")
+        await wait_until(pilot, lambda: app.state.generations and app.state.generations[-1].finished, "the refusal")
+        assert text_of(app.main.chat_view.query(".answer-stats").last()) == f"failed: {UNAUTHORIZED}"
+    assert head.chat_requests == [] and {given for _, given in head.authorizations} == {None}
 
 
 async def test_node_rows_keep_the_configured_order_whichever_node_answers_first():

@@ -1,29 +1,35 @@
 """SVG snapshots of every console view.
 
 As in memray's live TUI tests: polling is off, the clock is frozen, and data arrives as the very
-messages the poller and the chat worker post, so the real handlers draw every screen. Update the
-baselines with ``pytest tests/test_tui_snapshots.py --snapshot-update`` and look at the SVGs.
+messages the poller and the chat worker post, so the real handlers draw every screen. Route events
+show the local wall clock, so the time zone is pinned to UTC. Update the baselines with
+``pytest tests/test_tui_snapshots.py --snapshot-update`` and look at the SVGs.
 """
 
 from __future__ import annotations
 
+import time
+
+import pytest
 from textual.pilot import Pilot
 from textual.widgets import Input, Markdown
 
 from daemon.api import RouteInfo
 from meshtui.app import MeshApp
-from meshtui.client import ChatChunk
+from meshtui.client import UNAUTHORIZED, ChatChunk
 from meshtui.config import ConsoleConfig
 from meshtui.messages import NodePolled, RoutePolled
 from tests.tui_data import (
     HEAD,
     HEAD_SESSIONS,
     NOW,
+    REPLICA,
     WORKER,
     WORKER_SESSIONS,
     FrozenClock,
     ScriptedChat,
     StartingMesh,
+    failover_route,
     node_status,
     session_list,
     two_node_route,
@@ -37,6 +43,16 @@ ANSWER = ("A **KV cache** keeps each layer's keys and values, so a decode step s
 FINAL_STATS = {"session_id": "5d1e0c9a7b3f2e4d6c8a0b1c", "prompt_tokens": 31, "completion_tokens": 42,
                "prefills": 1, "reprefills": 1, "cache_misses": 1, "prefill_ms": 291.4, "first_token_ms": 318.0,
                "decode_tokens_per_second": 9.98, "finish_reason": "stop"}
+
+
+@pytest.fixture(autouse=True)
+def utc(monkeypatch):
+    """Route events show local wall-clock times: the same on every machine only in one time zone."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
 
 
 def console(clock: FrozenClock | None = None, **kwargs) -> MeshApp:
@@ -130,6 +146,62 @@ def test_mesh_node_down(snap_compare):
         clock.advance(7)
         app.post_message(NodePolled(WORKER, None, None, "connection refused"))
         app.post_message(RoutePolled(RouteInfo(error="no node hosts layers 15-29")))
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_mesh_failover(snap_compare):
+    """The replica on :7072 died mid-answer and :7071 took over: the route's latency split, its counts and events."""
+    clock = FrozenClock()
+    app = console(clock)
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        app.post_message(NodePolled(HEAD, node_status(HEAD, 0, 15, peers=[WORKER, REPLICA], steps_served=2410,
+                                                      active_generations=1, sessions=1),
+                                    session_list(HEAD_SESSIONS[:1])))
+        app.post_message(NodePolled(WORKER, node_status(WORKER, 15, 30, steps_served=1306, active_steps=1,
+                                                        sessions=1), session_list(WORKER_SESSIONS)))
+        app.post_message(NodePolled(REPLICA, node_status(REPLICA, 15, 30, steps_served=1104), session_list([])))
+        await settle(pilot)
+        clock.advance(29)
+        app.post_message(NodePolled(REPLICA, None, None, "connection refused"))
+        app.post_message(RoutePolled(failover_route()))
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_mesh_draining_node(snap_compare):
+    """A rolling restart: :7071 drains (finishing its step, taking nothing new), the replica carries the route."""
+    app = console()
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        app.post_message(NodePolled(HEAD, node_status(HEAD, 0, 15, peers=[WORKER, REPLICA], steps_served=1204),
+                                    session_list([])))
+        app.post_message(NodePolled(WORKER, node_status(WORKER, 15, 30, steps_served=1187, active_steps=1,
+                                                        draining=True), session_list(WORKER_SESSIONS)))
+        app.post_message(NodePolled(REPLICA, node_status(REPLICA, 15, 30, steps_served=96), session_list([])))
+        route = two_node_route()
+        route.hops[1].url = REPLICA
+        app.post_message(RoutePolled(route))
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_mesh_token_refused(snap_compare):
+    """The worker was started with another mesh token: it refuses the console (and the head) with a 401."""
+    app = console()
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        app.post_message(NodePolled(HEAD, node_status(HEAD, 0, 15, peers=[WORKER]), session_list([])))
+        app.post_message(NodePolled(WORKER, None, None, UNAUTHORIZED, 401))
+        app.post_message(RoutePolled(RouteInfo(error="no live node serves layers 15-29 of 0-29; start a node "
+                                                     "with --layers covering them or add it with --peer")))
         await settle(pilot)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from meshtui.state import GenerationRecord, MeshState, NodeState, layer_coverage, layer_runs
-from tests.tui_data import HEAD, NOW, WORKER, node_status, session, session_list
+from daemon.api import RouteInfo
+from meshtui.state import GenerationRecord, MeshState, NodeState, layer_coverage, layer_runs, short_reason
+from tests.tui_data import HEAD, NOW, REPLICA, WORKER, failover_route, node_status, session, session_list
 
 
 def test_node_rates_come_from_counter_growth_between_polls():
@@ -72,6 +73,53 @@ def test_coverage_counts_only_nodes_that_are_up():
     mesh.record_poll(WORKER, None, None, "connection refused", NOW + 1)
     assert layer_runs(mesh.coverage(), lambda c: c == 0) == [(16, 29)]
     assert layer_coverage(4, [(0, 2), (3, 9)]) == [1, 1, 0, 1]
+
+
+def test_a_draining_node_is_up_but_covers_nothing():
+    mesh = MeshState()
+    mesh.set_head(HEAD)
+    mesh.add_node(WORKER)
+    mesh.record_poll(HEAD, node_status(HEAD, 0, 15), None, None, NOW)
+    mesh.record_poll(WORKER, node_status(WORKER, 15, 30, draining=True), None, None, NOW)
+    worker = mesh.nodes[WORKER]
+    assert worker.up and worker.draining and not worker.serving and mesh.draining == 1
+    assert layer_runs(mesh.coverage(), lambda c: c == 0) == [(15, 29)]  # heads route nothing new through it
+
+
+def test_a_refused_token_is_told_apart_from_a_node_that_is_down():
+    node = NodeState(WORKER)
+    node.record(None, None, "401: wrong or missing token", NOW, http_status=401)
+    assert node.unauthorized and not node.up
+    node.record(None, None, "connection refused", NOW + 1)
+    assert not node.unauthorized
+    node.record(node_status(WORKER, 15, 30), None, None, NOW + 2, http_status=401)
+    assert node.up and not node.unauthorized  # a status code only means something with an error
+
+
+def test_route_events_come_newest_first_in_a_few_words():
+    mesh = MeshState()
+    mesh.record_route(failover_route(), None)
+    failover, reroute, no_route = mesh.recent_route_events()
+    assert (failover.kind, failover.failed, failover.reason) == ("failover", REPLICA, "unreachable")
+    assert failover.position == 45 and failover.route == ("local", WORKER)
+    assert (reroute.failed, reroute.reason, reroute.route) == (None, "old route 14.9 ms/step", ("local", REPLICA))
+    assert (no_route.reason, no_route.route) == ("no node for layers 15-29", ())
+    assert len(mesh.recent_route_events(limit=2)) == 2
+    mesh.record_route(None, "timed out")
+    assert mesh.recent_route_events() == []  # the head stopped answering: its events are stale
+    mesh.record_route(RouteInfo(events=[{"kind": "failover"}]), None)  # sparse events still read
+    assert mesh.recent_route_events()[0].reason == ""
+
+
+def test_daemon_reasons_are_cut_to_a_few_words():
+    url = "http://127.0.0.1:7072"
+    assert short_reason("failover", f"{url} is unreachable: timed out after 10 s", url) == "timed out"
+    assert short_reason("failover", f"{url} answered 503: this node is draining", url) == "answered 503"
+    assert short_reason("failover", f"{url} is unreachable: ServerDisconnectedError", url) == "unreachable"
+    assert short_reason("no_route", "no live node serves layers 3-7 of 0-29; start a node") == "no node for layers 3-7"
+    assert short_reason("reroute", "expected 9.5 ms per step on the old route") == "old route 9.5 ms/step"
+    assert short_reason("failover", "something new: with details") == "something new"
+    assert len(short_reason("failover", "x" * 80)) == 40
 
 
 def test_answer_rates_and_the_conversation():

@@ -1,5 +1,6 @@
 """Stand-ins for the console's tests: fixed daemon answers (the shapes of ``daemon.api`` with fixed values and
-times), a frozen clock, a scripted chat stream, a local mesh that never finishes loading, and a stub daemon."""
+times), a frozen clock, a scripted chat stream, a local mesh that never finishes loading, and a stub daemon
+(which can require the mesh token, as meshd with MESHNET_TOKEN does)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from daemon.api import (
 NOW = 1_750_000_000.0  # the frozen clock of every console test
 HEAD = "http://127.0.0.1:7070"
 WORKER = "http://127.0.0.1:7071"
+REPLICA = "http://127.0.0.1:7072"  # hosts the worker's layers too
+TOKEN = "s3cret-mesh-token-0123"
 MODEL = ModelSummary("SmolLM2-135M-Instruct", "llama", 30, 576, "9f3c2a")
 
 
@@ -48,7 +51,7 @@ def store(sessions: int, nbytes: int, *, hits: int = 0, misses: int = 0, evictio
 def node_status(url: str, start: int, end: int, *, peers: list[str] = (), time: float = NOW,
                 tokens_served: int = 0, steps_served: int = 0, active_steps: int = 0,
                 active_generations: int = 0, sessions: int = 0, kv_cache: bool = True,
-                model: ModelSummary = MODEL) -> NodeStatus:
+                model: ModelSummary = MODEL, draining: bool = False) -> NodeStatus:
     roles = ["head", "tail"] if end == model.num_layers else ["head"]
     return NodeStatus(
         url=url, version="0.1.0", model=model, start=start, end=end, roles=roles,
@@ -56,7 +59,7 @@ def node_status(url: str, start: int, end: int, *, peers: list[str] = (), time: 
         active_generations=active_generations, active_steps=active_steps,
         weights_bytes={"layers": (end - start) * 14_000_000}, store=store(sessions, sessions * 1_400_000),
         peers=[PeerSummary(p, True, last_seen=time) for p in peers], time=time, started_at=NOW - 3600,
-        steps_served=steps_served, tokens_served=tokens_served,
+        steps_served=steps_served, tokens_served=tokens_served, draining=draining,
     )
 
 
@@ -74,10 +77,42 @@ def session_list(sessions: list[SessionInfo], *, time: float = NOW, hits: int = 
                        store=store(len(sessions), total, hits=hits, misses=misses, evictions=evictions))
 
 
-def two_node_route(*, latency: tuple[float | None, float | None] = (1.8, 6.4)) -> RouteInfo:
-    return RouteInfo(hops=[RouteHopInfo(HEAD, 0, 15, True, True, latency[0]),
-                           RouteHopInfo(WORKER, 15, 30, True, False, latency[1])],
-                     planned_at=NOW - 12)
+def two_node_route(*, latency: tuple[float | None, float | None] = (1.8, 6.4),
+                   overhead: tuple[float | None, float | None] = (0.2, 1.3)) -> RouteInfo:
+    """The head's route over its own layers and the worker's, with each hop's decode-step latency and overhead."""
+    hops = []
+    for (url, start, end, local), total, wire in zip([(HEAD, 0, 15, True), (WORKER, 15, 30, False)], latency, overhead):
+        compute = None if total is None or wire is None else total - wire
+        hops.append(RouteHopInfo(url, start, end, True, local, total, overhead_ms=wire, compute_ms=compute,
+                                 samples=120 if total is not None else 0))
+    return RouteInfo(hops=hops, planned_at=NOW - 12)
+
+
+def failover_route() -> RouteInfo:
+    """The head's route after the replica on :7072 died mid-answer and :7071 took its layers over,
+    with an earlier reroute and a failure to find a route that a restart then cured."""
+    hops = [RouteHopInfo(HEAD, 0, 15, True, True, 1.9, overhead_ms=0.2, compute_ms=1.7, samples=212),
+            RouteHopInfo(WORKER, 15, 30, True, False, 7.1, overhead_ms=1.4, compute_ms=5.7, samples=40)]
+    local_hop = {"url": HEAD, "start_layer": 0, "end_layer": 15, "kv_cache": True, "local": True}
+    worker_hop = {"url": WORKER, "start_layer": 15, "end_layer": 30, "kv_cache": True, "local": False}
+    replica_hop = worker_hop | {"url": REPLICA}
+    events = [
+        {"time": NOW - 700, "kind": "no_route", "session_id": "9e0d", "failed": WORKER, "position": 12,
+         "reason": "no live node serves layers 15-29 of 0-29; start a node with --layers covering them or add it "
+                   "with --peer", "route": []},
+        {"time": NOW - 310, "kind": "reroute", "session_id": "77ab", "failed": None, "position": 131,
+         "reason": "expected 14.9 ms per step on the old route", "route": [local_hop, replica_hop]},
+        {"time": NOW - 29, "kind": "failover", "session_id": "5d1e", "failed": REPLICA, "position": 45,
+         "reason": f"{REPLICA} is unreachable: ClientConnectorError: Cannot connect to host 127.0.0.1:7072 "
+                   "ssl:default [Connect call failed ('127.0.0.1', 7072)]", "route": [local_hop, worker_hop]},
+    ]
+    nodes = {HEAD: {"local": True, "latency_ms": 1.9, "overhead_ms": 0.2, "layer_ms": 0.11, "samples": 212,
+                    "failures": 0, "age_seconds": 0.4},
+             WORKER: {"local": False, "latency_ms": 7.1, "overhead_ms": 1.4, "layer_ms": 0.38, "samples": 40,
+                      "failures": 1, "age_seconds": 0.4},
+             REPLICA: {"local": False, "latency_ms": None, "overhead_ms": None, "layer_ms": None, "samples": 171,
+                       "failures": 1, "age_seconds": None}}
+    return RouteInfo(hops=hops, planned_at=NOW - 29, nodes=nodes, events=events, failovers=2, reroutes=1)
 
 
 HEAD_SESSIONS = [
@@ -136,8 +171,12 @@ class StubDaemon:
     """A stand-in meshd: fixed answers for the console's endpoints, and a record of what it was asked."""
 
     def __init__(self, start: int, end: int, *, peers: list[str] = (), sessions=(),
-                 answer: list[str] = ("Hello", " from", " the", " **mesh**."), hold_after: int | None = None) -> None:
+                 answer: list[str] = ("Hello", " from", " the", " **mesh**."), hold_after: int | None = None,
+                 token: str | None = None, stats: dict | None = None) -> None:
         self.start_layer, self.end_layer = start, end
+        self.token = token  # when set, every path but /health needs "Authorization: Bearer <token>"
+        self.authorizations: list[tuple[str, str | None]] = []  # (path, Authorization header) of each request
+        self.stats = stats or {}  # added to the final chunk's meshnet object
         self.peers = list(peers)
         self.sessions = list(sessions)
         self.answer = list(answer)
@@ -156,7 +195,7 @@ class StubDaemon:
 
     async def start(self) -> None:
         """Listen (again) on 127.0.0.1; a restart keeps the port, as a restarted daemon would."""
-        app = web.Application()
+        app = web.Application(middlewares=[self._check_token])
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/status", self._status)
         app.router.add_get("/v1/sessions", self._sessions)
@@ -175,6 +214,16 @@ class StubDaemon:
             self.release.set()
             await self._runner.cleanup()
             self._runner = None
+
+    @web.middleware
+    async def _check_token(self, request: web.Request, handler):
+        given = request.headers.get("Authorization")
+        self.authorizations.append((request.path, given))
+        if self.token and request.path != "/health" and given != f"Bearer {self.token}":
+            return web.json_response({"error": {"message": "this mesh needs its token: send 'Authorization: "
+                                                           "Bearer <token>'", "type": "invalid_request_error",
+                                                "param": None, "code": "invalid_api_key"}}, status=401)
+        return await handler(request)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -224,7 +273,7 @@ class StubDaemon:
                     await asyncio.sleep(0.02)
             await send({"choices": [{"index": 0, "delta": {"content": token}, "finish_reason": None}]})
         stats = {"completion_tokens": len(self.answer), "cache_misses": 0, "reprefills": 0, "prefill_ms": 12.0,
-                 "first_token_ms": 15.0, "decode_tokens_per_second": 42.0}
+                 "first_token_ms": 15.0, "decode_tokens_per_second": 42.0} | self.stats
         await send({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "meshnet": stats})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()

@@ -1,4 +1,4 @@
-"""The Mesh view: every node, their layers against the model's, and the head's route."""
+"""The Mesh view: every node, their layers against the model's, and the head's route with its latency and changes."""
 
 from __future__ import annotations
 
@@ -8,17 +8,21 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from meshtui.state import MeshState, NodeState, layer_runs
-from meshtui.widgets.formatting import format_duration, short_url
+from daemon.api import RouteHopInfo, RouteInfo
+from meshtui.state import MeshState, NodeState, RouteEvent, layer_runs
+from meshtui.widgets.formatting import format_clock, format_duration, plural, short_node, short_url
 from meshtui.widgets.keyed_table import KeyedTable
 from meshtui.widgets.layer_map import LayerHop, LayerMap, LayerRow
 from meshtui.widgets.section import Section
 
 NODE_COLUMNS = [("node", "node"), ("state", "state"), ("model", "model"), ("layers", "layers"),
                 ("roles", "roles"), ("cache", "cache"), ("load", "load"), ("served", "steps served")]
-ROUTE_COLUMNS = [("hop", "hop"), ("node", "node"), ("hosts", "hosts"), ("runs", "runs"), ("start", "starts at"),
-                 ("cache", "cache"), ("latency", "latency")]
+# "runs" starts at the hop's start layer; latency is the head's moving average of a decode step on the hop,
+# end to end, with the share that is not the node's compute (wire, HTTP, queueing) as "net"
+ROUTE_COLUMNS = [("hop", "hop"), ("node", "node"), ("hosts", "hosts"), ("runs", "runs"), ("cache", "cache"),
+                 ("latency", "latency")]
 MODEL_WIDTH = 14
+EVENT_STYLES = {"failover": "bold yellow", "reroute": "bold cyan", "no_route": "bold red"}
 
 
 class LoadingPanel(Static):
@@ -56,6 +60,7 @@ class MeshView(VerticalScroll):
         self.route_section = Section("route", id="route-box")
         self.hops = KeyedTable(ROUTE_COLUMNS, id="route")
         self.route_error = Static(id="route-error")
+        self.route_events = Static(id="route-events")
 
     def compose(self) -> ComposeResult:
         yield self.summary
@@ -68,6 +73,7 @@ class MeshView(VerticalScroll):
         with self.route_section:
             yield self.hops
             yield self.route_error
+            yield self.route_events
 
     def show_loading(self) -> None:
         self.loading_panel.show(self.state)
@@ -85,8 +91,12 @@ class MeshView(VerticalScroll):
         marker = "◆ " if node.url == self.state.head_url else "  "
         label = Text(marker + short_url(node.url), style="bold" if marker.strip() else "")
         status = node.status
-        if node.up:
+        if node.draining:
+            state = Text("◐ draining", style="bold yellow")
+        elif node.up:
             state = Text("● up", style="green")
+        elif node.unauthorized:
+            state = Text("✕ 401", style="bold red")
         elif node.polled:
             state = Text("✕ down", style="bold red")
         else:
@@ -111,19 +121,25 @@ class MeshView(VerticalScroll):
         model = state.model
         up = sum(n.up for n in state.nodes.values())
         summary = Text()
-        if model is None:
+        head = state.nodes.get(state.head_url)
+        if model is None and head is not None and head.error:
+            summary.append("the head refuses the console's mesh token" if head.unauthorized else
+                           "the head does not answer", style="bold red")
+        elif model is None:
             summary.append("waiting for the head to answer…", style="dim")
         else:
             summary.append(model.name, style="bold")
             summary.append(f" · {model.model_type} · {model.num_layers} layers · hidden {model.hidden_size}")
         summary.append(" · ")
         summary.append(f"{up}/{len(state.nodes)} nodes up", style="green" if up == len(state.nodes) else "bold red")
+        if state.draining:
+            summary.append(f" · {state.draining} draining", style="bold yellow")
         return summary
 
     def _show_layers(self) -> None:
         state = self.state
         model = state.model
-        rows = [LayerRow(short_url(n.url), n.status.start, n.status.end, n.up)
+        rows = [LayerRow(short_url(n.url), n.status.start, n.status.end, n.up, n.draining)
                 for n in state.nodes.values() if n.status is not None]
         route = state.current_route
         hops = [LayerHop(h.start_layer, h.end_layer) for h in route.hops] if route else []
@@ -147,20 +163,22 @@ class MeshView(VerticalScroll):
         for i, hop in enumerate(route.hops if route else []):
             node = state.nodes.get(hop.url)
             hosts = node.status.layers if node is not None and node.status is not None else "?"
-            latency = "—" if hop.latency_ms is None else f"{hop.latency_ms:.1f} ms"
             rows[str(i)] = [str(i + 1), short_url(hop.url) + (" (local)" if hop.local else ""), hosts,
-                            f"{hop.start_layer}-{hop.end_layer - 1}", str(hop.start_layer),
-                            "on" if hop.kv_cache else "off", latency]
+                            f"{hop.start_layer}-{hop.end_layer - 1}", "on" if hop.kv_cache else "off",
+                            _hop_latency(hop)]
         self.hops.show(rows)
         self.hops.display = bool(rows)
         if state.route_error:
-            self.route_error.update(Text(f"the head did not answer: {state.route_error}", style="bold red"))
+            self.route_error.update(Text(f"the head's route is unknown: {state.route_error}", style="bold red"))
         elif route is not None and route.error:
             self.route_error.update(Text(f"no route: {route.error}", style="bold red"))
         elif not rows:
             self.route_error.update(Text("no route yet", style="dim"))
         self.route_error.display = not rows or bool(route and route.error)
-        self.route_section.border_subtitle = f"{len(rows)} hops" if rows else ""
+        events = state.recent_route_events()
+        self.route_events.update(Text("\n").join(_event_line(e, state.head_url) for e in events))
+        self.route_events.display = bool(events)
+        self.route_section.border_subtitle = _route_subtitle(route, len(rows))
         self._show_layers()
 
 
@@ -175,8 +193,48 @@ def _load(status) -> str:
 
 
 def _down_line(node: NodeState, now: float) -> str:
-    seen = "never answered" if node.last_seen is None else f"last seen {format_duration(now - node.last_seen)} ago"
-    return f"{short_url(node.url)}: {node.error} · {seen}"
+    if node.last_seen is not None:
+        return f"{short_url(node.url)}: {node.error} · last seen {format_duration(now - node.last_seen)} ago"
+    if node.unauthorized:  # it answers, only not to us
+        return f"{short_url(node.url)}: {node.error}"
+    return f"{short_url(node.url)}: {node.error} · never answered"
+
+
+def _hop_latency(hop: RouteHopInfo) -> str:
+    """``31.2 ms (3.1 net)``: a decode step on the hop, and of it what is not the node's compute."""
+    if hop.latency_ms is None:
+        return "—"
+    if hop.local or hop.overhead_ms is None:  # a local hop crosses no wire: all of it is compute
+        return f"{hop.latency_ms:.1f} ms"
+    return f"{hop.latency_ms:.1f} ms ({hop.overhead_ms:.1f} net)"
+
+
+def _route_subtitle(route: RouteInfo | None, hops: int) -> str:
+    parts = [plural(hops, "hop")] if hops else []
+    if route is not None:
+        parts += [plural(count, what) for count, what in ((route.failovers, "failover"), (route.reroutes, "reroute"))
+                  if count]
+    return " · ".join(parts)
+
+
+def _event_line(event: RouteEvent, head_url: str | None) -> Text:
+    """``13:02:11 failover  :7072 unreachable → :7071 at position 45``, newest first in the route section.
+
+    The position counts the prompt's tokens and the answer's so far: where the sequence was when it happened."""
+    line = Text()
+    line.append(format_clock(event.time), style="dim")
+    line.append(" ")
+    line.append(f"{event.kind.replace('_', ' '):<10}", style=EVENT_STYLES.get(event.kind, "bold"))
+    if event.failed:
+        line.append(short_node(event.failed, head_url), style="bold")
+        line.append(" failed; " if event.kind == "no_route" else " ")
+    line.append(event.reason)
+    if event.route:
+        remote = [short_node(url, head_url) for url in event.route if url != "local"]
+        line.append(" → " + (" ".join(remote) if remote else "local"))
+    if event.position is not None:
+        line.append(f" at position {event.position}", style="dim")
+    return line
 
 
 def _runs(runs: list[tuple[int, int]]) -> str:

@@ -31,6 +31,10 @@ def generation_stats(record: GenerationRecord) -> Text:
         misses, reprefills = stats.get("cache_misses", 0), stats.get("reprefills", 0)
         text.append(f" · {plural(misses, 'cache miss', 'cache misses')} · {plural(reprefills, 're-prefill')}",
                     style="yellow" if misses or reprefills else "")
+        # a hop that failed, or a far faster route, moved the answer mid-way: rare, so shown only when it happened
+        moves = [plural(count, what) for what in ("failover", "reroute") if (count := stats.get(f"{what}s", 0))]
+        if moves:
+            text.append(" · " + " · ".join(moves), style="bold yellow")
     return text
 
 

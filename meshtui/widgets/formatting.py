@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import time
+
 
 def short_url(url: str) -> str:
     """``http://127.0.0.1:7070`` -> ``127.0.0.1:7070``: the scheme only costs columns."""
     return url.split("://", 1)[-1]
+
+
+def short_node(url: str, head_url: str | None) -> str:
+    """A node as a compact list names it: ``:7071`` when it shares the head's host, else ``host:port``."""
+    address = short_url(url)
+    host, _, port = address.rpartition(":")
+    if head_url is not None and host and host == short_url(head_url).rpartition(":")[0]:
+        return f":{port}"
+    return address
+
+
+def format_clock(seconds: float) -> str:
+    """A Unix time as the local wall clock, ``13:02:11``."""
+    return time.strftime("%H:%M:%S", time.localtime(seconds))
 
 
 def format_bytes(count: int | None) -> str:

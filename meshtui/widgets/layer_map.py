@@ -20,6 +20,7 @@ class LayerRow:
     start: int
     end: int
     up: bool = True
+    draining: bool = False  # up, but taking no new work: it does not count for coverage
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,14 @@ class LayerHop:
 class LayerMap(Widget):
     """A row of cells per node over layers ``0..N-1``, the route's hops, and a coverage row.
 
-    Coverage counts only nodes that are up: a layer no live node hosts is a gap, drawn in red.
-    The axis spans the widget's width: wide terminals give each layer several cells, narrow ones
-    fold several layers into one cell, where a gap anywhere in the cell still shows.
+    Coverage counts only nodes that are up and not draining: a layer no serving node hosts is a gap,
+    drawn in red. The axis spans the widget's width: wide terminals give each layer several cells,
+    narrow ones fold several layers into one cell, where a gap anywhere in the cell still shows.
     """
 
     COMPONENT_CLASSES = {
-        "layer-map--label", "layer-map--axis", "layer-map--hosted", "layer-map--down", "layer-map--idle",
+        "layer-map--label", "layer-map--axis", "layer-map--hosted", "layer-map--down", "layer-map--draining",
+        "layer-map--idle",
         "layer-map--hop-odd", "layer-map--hop-even", "layer-map--covered", "layer-map--overlap",
         "layer-map--gap",
     }
@@ -50,6 +52,7 @@ class LayerMap(Widget):
     LayerMap > .layer-map--axis { color: $text-muted; }
     LayerMap > .layer-map--hosted { color: $primary; }
     LayerMap > .layer-map--down { color: $error 70%; }
+    LayerMap > .layer-map--draining { color: $warning 60%; }
     LayerMap > .layer-map--idle { color: $text-disabled; }
     LayerMap > .layer-map--hop-odd { color: $accent; text-style: bold; }
     LayerMap > .layer-map--hop-even { color: $text-primary; text-style: bold; }
@@ -122,11 +125,12 @@ class LayerMap(Widget):
 
     def _node_line(self, row: LayerRow, label_width: int, columns: list[range]) -> Text:
         line = self._label(row.label, label_width)
-        hosted_style = self._style("hosted" if row.up else "down")
+        serving = row.up and not row.draining
+        hosted_style = self._style("hosted" if serving else "draining" if row.up else "down")
         for layers in columns:
             hosted = any(row.start <= layer < row.end for layer in layers)
             if hosted:
-                line.append("█" if row.up else "▒", hosted_style)
+                line.append("█" if serving else "▒", hosted_style)
             else:
                 line.append("·", self._style("idle"))
         return line
@@ -145,7 +149,7 @@ class LayerMap(Widget):
         return line
 
     def _coverage_line(self, label_width: int, columns: list[range]) -> Text:
-        counts = layer_coverage(self._num_layers, [(r.start, r.end) for r in self._rows if r.up])
+        counts = layer_coverage(self._num_layers, [(r.start, r.end) for r in self._rows if r.up and not r.draining])
         line = self._label("coverage", label_width)
         for layers in columns:
             cell = [counts[layer] for layer in layers]
@@ -158,10 +162,13 @@ class LayerMap(Widget):
         return line
 
     def _legend(self) -> Text:
+        draining = [("▒", self._style("draining")), (" draining  ", self._style("label"))] \
+            if any(r.draining for r in self._rows) else []
         return Text.assemble(
             ("█", self._style("covered")), (" covered  ", self._style("label")),
             ("▓", self._style("overlap")), (" overlap  ", self._style("label")),
             ("✕", self._style("gap")), (" gap  ", self._style("label")),
             ("▒", self._style("down")), (" down node  ", self._style("label")),
+            *draining,
             ("1━", self._style("hop-odd")), (" route hop", self._style("label")),
         )
