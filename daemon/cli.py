@@ -46,7 +46,7 @@ def _serve_parser() -> argparse.ArgumentParser:
                    "measurements recover (default 0.1; 0 always takes the fastest known route)")
     p.add_argument("--failover-wait", dest="failover_wait_seconds", type=float, metavar="SECONDS",
                    help="when a hop fails mid-generation and no other node covers its layers, how long to "
-                   "wait for one (e.g. a restart) before the generation fails (default 15)")
+                   "wait for one (e.g. a restart) before the generation fails (default 30)")
     p.add_argument("--hop-timeout", dest="hop_timeout_seconds", type=float, metavar="SECONDS",
                    help="a one-token step on a peer must answer within this, or the peer counts as failed; "
                    "longer steps get proportionally more (default 10)")

@@ -37,7 +37,7 @@ class NodeConfig:
     log_level: str = "info"
     public_url: str | None = None  # how peers reach this node; default http://host:port
     route_explore: float = 0.1  # share of new generations planned with randomised costs, to re-measure
-    failover_wait_seconds: float = 15.0  # how long a generation waits for a route after a hop fails
+    failover_wait_seconds: float = 30.0  # how long a generation waits for a route after a hop fails
     hop_timeout_seconds: float = 10.0  # a one-token step must answer within this (longer steps get more)
     token: str | None = None  # shared mesh token: every endpoint but /health needs "Authorization: Bearer <token>"
     max_body_bytes: int = 64 * 1024 * 1024  # larger request bodies are a 413

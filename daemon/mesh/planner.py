@@ -130,7 +130,7 @@ class RoutePlanner:
     """The head's routes: planning, exploring, and re-planning after a failure."""
 
     def __init__(self, local: Callable[[], Candidate], peers: PeerDirectory, num_layers: int, *,
-                 explore: float = 0.1, failover_wait: float = 15.0, rng: random.Random | None = None,
+                 explore: float = 0.1, failover_wait: float = 30.0, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  on_hop: Callable[[Hop, str | None, float], None] | None = None) -> None:
         self._local = local
