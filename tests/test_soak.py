@@ -29,7 +29,7 @@ PROMPTS = [
     "Explain why the sky is blue in two sentences.",
 ]
 STREAMS_PER_PROMPT = 4  # 16 streams
-TOKENS = 16
+TOKENS = 10
 MAX_SESSIONS = 4
 # a finished stream's session (~45 tokens) holds ~1 MB of K/V per node: this budget fits three, not four
 MAX_BYTES = 3 * 1024 * 1024
