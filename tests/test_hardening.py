@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -358,3 +359,15 @@ def test_one_request_id_follows_a_generation_across_nodes(json_mesh):
     status, headers, _ = request("GET", head.url + "/v1/status", headers={"X-Request-Id": "bad id\twith junk"})
     assert status == 200 and headers["X-Request-Id"] != "bad id\twith junk"
     assert http_json("GET", head.url + "/health")[0] == 200
+
+
+def test_non_finite_activations_are_a_400_on_the_tail(limited):
+    import struct
+
+    hidden = limited.get("/v1/status")["model"]["hidden_size"]
+    for sampling in ('{"temperature": 0.7, "seed": 1}', '{"temperature": 0}'):
+        status, _, data = request("POST", limited.url + "/forward", body=struct.pack("<f", math.nan) * hidden,
+                                  headers={"X-Meshnet-Shape": f"1,1,{hidden}", "X-Meshnet-Sampling": sampling})
+        assert status == 400, (status, data)
+        assert "non-finite" in data["error"]["message"]
+    assert request("GET", limited.url + "/health")[0] == 200

@@ -230,3 +230,15 @@ def test_top_k_and_top_p_combine():
     # top_k=3 drops token 3 and renormalises to 4/9, 3/9, 2/9; top_p=0.5 keeps tokens 0 and 1
     draws = {sample_token(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.5, seed=s), 0) for s in range(300)}
     assert draws == {0, 1}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, seed=3)])
+def test_non_finite_logits_are_a_bad_request_not_a_crash(bad, params):
+    from daemon.errors import BadRequest
+
+    logits = torch.zeros(32)
+    logits[5] = bad
+    with pytest.raises(BadRequest) as info:
+        sample_token(logits, params, position=0)
+    assert info.value.status == 400

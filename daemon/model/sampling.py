@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from daemon.errors import BadRequest
+
 _MASK64 = (1 << 63) - 1
 # below this, logits / temperature overflows: such a temperature means greedy
 MIN_TEMPERATURE = 1e-5
@@ -42,7 +44,13 @@ def position_generator(seed: int, position: int) -> torch.Generator:
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """Pick the token at absolute ``position`` from ``logits`` of shape ``[vocab]``."""
+    """Pick the token at absolute ``position`` from ``logits`` of shape ``[vocab]``.
+
+    Non-finite logits come from non-finite activations a caller sent: a 400, not a crash in the sampler.
+    """
+    if not bool(torch.isfinite(logits).all()):
+        raise BadRequest("the activations give non-finite logits (NaN or infinity): not a valid hidden state",
+                         param="body")
     if params.greedy:
         return int(torch.argmax(logits).item())
     scores = logits.float() / params.temperature
