@@ -125,6 +125,7 @@ class ModelShard:
         rotary_params = inspect.signature(self.model.model.rotary_emb.forward).parameters
         self._rotary_per_type = "layer_type" in rotary_params
         self._load_tensors(self._wanted_parts(head=head))
+        self._layers = tuple(self.model.model.layers)  # indexing a tuple, not a ModuleList, in the step loop
         self.tokenizer = self._load_tokenizer() if (head or self.is_tail) else None
         self.eos_token_ids = self._eos_token_ids()
         self._stats_store = sessions  # misses of a stateless node still show in its statistics
@@ -302,8 +303,12 @@ class ModelShard:
     def new_cache(self):
         from transformers import DynamicCache
 
+        from daemon.model.kvcache import grow_in_place
+
         # the same construction the model's own forward uses: per-layer types from the config
-        return DynamicCache(config=self.config)
+        cache = DynamicCache(config=self.config)
+        grow_in_place(cache)  # full-attention layers append in place: a decode step's cost stays flat
+        return cache
 
     @torch.inference_mode()
     def run_layers(self, hidden: torch.Tensor, *, start_layer: int, past_len: int, cache) -> torch.Tensor:
@@ -329,7 +334,7 @@ class ModelShard:
                     layer_idx=i,
                 )
         position_embeddings = self._rotary(hidden, position_ids, {self.layer_types[i] for i in hosted})
-        layers = self.model.model.layers
+        layers = self._layers
         # stateless calls pass no cache arguments at all: layers that reject them still run
         cache_kwargs = {"cache": cache, "use_cache": True} if cache is not None else {}
         for i in hosted:
@@ -427,26 +432,29 @@ class ModelShard:
 
 
 def cache_nbytes(cache) -> int:
-    """Bytes held by a cache object, whatever its layer types keep (K/V, conv or recurrent state)."""
-    total, seen = 0, set()
+    """Bytes held by a cache object, whatever its layer types keep (K/V, conv or recurrent state).
 
-    def visit(obj, depth: int) -> None:
-        nonlocal total
-        if depth > 4 or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type != "meta":
-                total += obj.numel() * obj.element_size()
-        elif isinstance(obj, (list, tuple)):
-            for item in obj:
-                visit(item, depth + 1)
-        elif isinstance(obj, dict):
-            for item in obj.values():
-                visit(item, depth + 1)
-        elif hasattr(obj, "__dict__") and depth > 0:
-            for item in vars(obj).values():
-                visit(item, depth + 1)
+    Called after every step, so it looks only where caches keep tensors: in each layer's attributes,
+    directly or in a list, tuple or dict one level down. Memory is counted once per storage, so a
+    view (a growing layer's filled part, a sliding window) and its buffer are not counted twice.
+    """
+    seen: dict[int, int] = {}
+    for layer in getattr(cache, "layers", ()):
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                _count_storage(value, seen)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    if isinstance(v, torch.Tensor):
+                        _count_storage(v, seen)
+            elif isinstance(value, dict):
+                for v in value.values():
+                    if isinstance(v, torch.Tensor):
+                        _count_storage(v, seen)
+    return sum(seen.values())
 
-    visit(getattr(cache, "layers", []), 0)
-    return total
+
+def _count_storage(tensor: torch.Tensor, seen: dict[int, int]) -> None:
+    if not tensor.is_meta:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
