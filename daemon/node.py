@@ -26,9 +26,10 @@ from daemon.mesh.peers import PeerDirectory
 from daemon.mesh.planner import RoutePlanner
 from daemon.mesh.routing import Candidate
 from daemon.metrics import Metrics
+from daemon.model.cores import CoreShare
 from daemon.model.sampling import SamplingParams
 from daemon.model.shard import ModelShard, StepResult
-from daemon.model.tensors import to_activation, to_tensor
+from daemon.model.tensors import as_sent, to_activation, to_tensor
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class Node:
         self.hidden_size = shard.info.hidden_size
         self.context_length = getattr(shard.config, "max_position_embeddings", None) or wire.MAX_SEQUENCE
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self.cores = _core_share() if config.threads is None else None  # None: --threads fixes the count
         self.node_id = uuid.uuid4().hex  # tells this node apart from others at any address, for this run
         self.peers = PeerDirectory(config.peers, self_url=self.url, fingerprint=shard.info.fingerprint,
                                    node_id=self.node_id)
@@ -84,12 +86,22 @@ class Node:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.cores is not None:
+            self.cores.close()
 
     # ---- the server side: one /forward step ------------------------------------------------
 
-    def _step(self, request: wire.ForwardRequest) -> tuple[StepResult, float]:
+    def _step(self, request: wire.ForwardRequest,
+              token_ids: list[int] | None) -> tuple[StepResult, wire.Activation | None, float]:
+        """One step on the torch worker: the hidden states from the request's bytes, or embedded here."""
+        if self.cores is not None:
+            self.cores.adjust()
         started = time.perf_counter()
-        hidden = to_tensor(request.activation, compute_dtype=self.shard.dtype)
+        if token_ids is None:
+            hidden = to_tensor(request.activation, compute_dtype=self.shard.dtype)
+        else:  # rounded as the wire would have rounded it, so a local first hop changes nothing
+            hidden = as_sent(self.shard.embed(token_ids), wire_dtype=request.activation.dtype,
+                             compute_dtype=self.shard.dtype)
         result = self.shard.step(
             hidden,
             mode=request.mode,
@@ -98,9 +110,14 @@ class Node:
             start_layer=request.start_layer,
             sampling=SamplingParams(**request.sampling),
         )
-        return result, time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        # the reply travels in the dtype the request came in, serialised here rather than on the event loop
+        out = to_activation(result.hidden, dtype=request.activation.dtype) if result.hidden is not None else None
+        return result, out, seconds
 
-    async def forward(self, request: wire.ForwardRequest) -> HopReply:
+    async def forward(self, request: wire.ForwardRequest, *, token_ids: list[int] | None = None) -> HopReply:
+        """One /forward step. ``token_ids``: the head's own first hop, embedded in the same worker call (one
+        hand-off to the torch thread per step, not two); ``request.activation`` then only names dtype and shape."""
         positions = request.past_len + request.activation.shape[1]
         if positions > self.context_length:
             raise BadRequest(f"the step reaches position {positions}; the model's context is {self.context_length}",
@@ -110,7 +127,7 @@ class Node:
                      request.activation.shape[1], request.start_layer)
         self.active_steps += 1
         try:
-            result, seconds = await self.run(self._step, request)
+            result, out, seconds = await self.run(self._step, request, token_ids)
         finally:
             self.active_steps -= 1
         self.steps_served += 1
@@ -118,10 +135,8 @@ class Node:
         self._compute_log.append((time.monotonic(), seconds))
         self.metrics.step_done(request.mode, seconds)
         compute_ms = seconds * 1000.0
-        if result.hidden is not None:
-            # the reply travels in the dtype the request came in
-            activation = to_activation(result.hidden, dtype=request.activation.dtype)
-            return HopReply(activation=activation, compute_ms=compute_ms)
+        if out is not None:
+            return HopReply(activation=out, compute_ms=compute_ms)
         return HopReply(token_id=result.token_id, text=result.text, compute_ms=compute_ms)
 
     def busy(self) -> float:
@@ -160,13 +175,15 @@ class Node:
         dtype = self.config.wire_dtype
         return await self.run(lambda: to_activation(self.shard.embed(token_ids), dtype=dtype))
 
-    async def local_step(self, activation: wire.Activation, *, mode, session_id, past_len, start_layer,
-                         hop_index, sampling) -> HopReply:
+    async def local_step(self, activation: wire.Activation | None, *, mode, session_id, past_len, start_layer,
+                         hop_index, sampling, token_ids: list[int] | None = None) -> HopReply:
+        if token_ids is not None:  # embedded in the step itself: the activation is only its dtype and shape
+            activation = wire.Activation(self.config.wire_dtype, (1, len(token_ids), self.hidden_size), b"")
         request = wire.ForwardRequest(
             activation=activation, mode=mode, session_id=session_id, past_len=past_len,
             start_layer=start_layer, hop_index=hop_index, sampling=sampling,
         )
-        return await self.forward(request)
+        return await self.forward(request, token_ids=token_ids)
 
     def drop_local_session(self, session_id: str) -> None:
         self.store.drop(session_id)
@@ -198,7 +215,7 @@ class Node:
             roles=self.roles(),
             kv_cache_enabled=self.config.kv_cache,
             supports_kv_cache=self.shard.supports_kv_cache,
-            threads=self.threads,
+            threads=self.cores.threads or self.threads if self.cores is not None else self.threads,
             node_id=self.node_id,
             busy=round(self.busy(), 4),
             draining=self.draining,
@@ -239,3 +256,11 @@ class Node:
             hops=hops, error=planner.error, planned_at=planner.planned_at, nodes=latency,
             events=list(planner.events), failovers=planner.failovers, reroutes=planner.reroutes,
         )
+
+
+def _core_share() -> CoreShare | None:
+    try:
+        return CoreShare()
+    except OSError as exc:  # no shared folder to meet the other daemons in: keep the fixed thread count
+        log.warning("cannot share cores with the other daemons on this host (%s); threads stay fixed", exc)
+        return None

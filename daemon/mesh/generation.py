@@ -38,6 +38,9 @@ class HopReply:
     token_id: int | None = None
     text: str | None = None
     compute_ms: float | None = None  # the node's own time on the step, as it reports
+    payload_bytes: int = 0  # activation bytes sent to a remote hop
+    sent_bytes: int = 0  # the whole request on the wire: request line, headers, body
+    received_bytes: int = 0  # the whole response: status line, headers, body
 
 
 MAX_FAILOVERS = 8  # per generation: a mesh that keeps failing is an error, not a loop
@@ -64,8 +67,10 @@ class HeadBackend(Protocol):
 
     async def embed(self, token_ids: list[int]) -> wire.Activation: ...
 
-    async def local_step(self, activation: wire.Activation, *, mode: str | None, session_id: str,
-                         past_len: int, start_layer: int, hop_index: int, sampling: dict) -> HopReply: ...
+    async def local_step(self, activation: wire.Activation | None, *, mode: str | None, session_id: str,
+                         past_len: int, start_layer: int, hop_index: int, sampling: dict,
+                         token_ids: list[int] | None = None) -> HopReply:
+        """Run the head's own layers; with ``token_ids`` (a first hop) embed them in the same step."""
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -102,14 +107,35 @@ class GenerationStats:
     finish_reason: str | None = None
     route: list[dict] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)  # wall time of each token after the first
+    decode_hops: dict[str, dict] = field(default_factory=dict)  # per node: sums over the steps after the first token
 
     @property
     def decode_tokens_per_second(self) -> float | None:
         steps = self.completion_tokens - 1
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else None
 
+    def record_hop(self, hop: Hop, total_ms: float, reply: HopReply) -> None:
+        """Add one hop of one decode step: its latency, the node's compute, the bytes both ways."""
+        sums = self.decode_hops.get(hop.url)
+        if sums is None:
+            sums = self.decode_hops[hop.url] = {
+                "url": hop.url, "local": hop.local, "steps": 0, "latency_ms": 0.0, "compute_ms": 0.0,
+                "payload_bytes": 0, "sent_bytes": 0, "received_bytes": 0,
+            }
+        sums["steps"] += 1
+        sums["latency_ms"] += total_ms
+        sums["compute_ms"] += reply.compute_ms or 0.0
+        sums["payload_bytes"] += reply.payload_bytes
+        sums["sent_bytes"] += reply.sent_bytes
+        sums["received_bytes"] += reply.received_bytes
+
     def to_dict(self) -> dict:
-        return {k: v for k, v in vars(self).items()} | {"decode_tokens_per_second": self.decode_tokens_per_second}
+        return {k: v for k, v in vars(self).items()} | {
+            "decode_tokens_per_second": self.decode_tokens_per_second,
+            "step_ms": [round(ms, 3) for ms in self.step_ms],
+            "decode_hops": list(self.decode_hops.values()),
+        }
 
 
 @dataclass
@@ -137,7 +163,8 @@ class HopClient:
         seconds = self._timeout * max(1.0, activation.shape[1] / 32)
         timeout = aiohttp.ClientTimeout(total=seconds, sock_connect=min(seconds, 5.0))
         try:
-            async with self._session.post(url, data=activation.data, headers=headers, timeout=timeout) as resp:
+            async with self._session.post(url, data=activation.data, headers=headers, timeout=timeout,
+                                          skip_auto_headers=_SKIPPED_HEADERS) as resp:
                 body = await resp.read()
                 if resp.status == 409:
                     info = _json_or_empty(body)
@@ -152,14 +179,18 @@ class HopClient:
                 compute_ms = _float_or_none(resp.headers.get(wire.COMPUTE_MS))
                 if resp.content_type == wire.ACTIVATION_CONTENT_TYPE:
                     try:
-                        activation = wire.parse_activation(resp.headers, body, hidden_size=self._hidden_size)
+                        answer = wire.parse_activation(resp.headers, body, hidden_size=self._hidden_size)
                     except BadRequest as exc:
                         raise UpstreamError(f"{hop.url} sent a malformed activation: {exc.message}") from None
-                    return HopReply(activation=activation, compute_ms=compute_ms)
-                reply = _json_or_empty(body)
-                if "text" not in reply and "token_id" not in reply:
-                    raise UpstreamError(f"{hop.url} sent neither activations nor a token")
-                return HopReply(token_id=reply.get("token_id"), text=reply.get("text", ""), compute_ms=compute_ms)
+                    reply = HopReply(activation=answer, compute_ms=compute_ms)
+                else:
+                    token = _json_or_empty(body)
+                    if "text" not in token and "token_id" not in token:
+                        raise UpstreamError(f"{hop.url} sent neither activations nor a token")
+                    reply = HopReply(token_id=token.get("token_id"), text=token.get("text", ""), compute_ms=compute_ms)
+                reply.payload_bytes = len(activation.data)
+                reply.sent_bytes, reply.received_bytes = _wire_bytes(resp, reply.payload_bytes, len(body))
+                return reply
         except (aiohttp.ClientError, TimeoutError) as exc:
             reason = f"timed out after {seconds:.0f} s" if isinstance(exc, TimeoutError) else \
                 f"{exc.__class__.__name__}: {exc}".strip(": ")
@@ -185,6 +216,18 @@ class HopClient:
 
 
 _BACKGROUND: set[asyncio.Task] = set()
+# headers aiohttp adds that a node never reads: 80 bytes less on every hop of every step
+_SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
+
+
+def _wire_bytes(resp: aiohttp.ClientResponse, payload: int, body: int) -> tuple[int, int]:
+    """Bytes of the request and of the response on the wire, HTTP/1.1 framing included."""
+    info = resp.request_info
+    sent = len(info.method) + len(info.url.raw_path_qs) + 13  # "POST /forward HTTP/1.1\r\n", the blank line
+    sent += sum(len(k) + len(v) + 4 for k, v in info.headers.items()) + payload
+    received = 17 + len(resp.reason or "")  # "HTTP/1.1 200 OK\r\n", the blank line
+    received += sum(len(k) + len(v) + 4 for k, v in resp.raw_headers) + body
+    return sent, received
 
 
 def _float_or_none(raw: str | None) -> float | None:
@@ -207,21 +250,22 @@ async def run_step(
     backend: HeadBackend,
     client: HopClient,
     route: list[Hop],
-    activation: wire.Activation,
+    token_ids: list[int],
     *,
     mode: str | None,
     session_id: str,
     past_len: int,
     sampling: dict,
-    on_hop: Callable[[Hop, float, float | None], None] | None = None,
+    on_hop: Callable[[Hop, float, HopReply], None] | None = None,
 ) -> HopReply:
-    """Pass one step's activations along ``route``; the last hop answers with a token.
+    """Embed ``token_ids`` and pass the step along ``route``; the last hop answers with a token.
 
-    ``on_hop(hop, total_ms, compute_ms)`` is told each hop's latency.
+    The head's own first hop embeds inside its step (one hand-off to the torch thread, no bytes).
+    ``on_hop(hop, total_ms, reply)`` is told each hop's latency and answer.
     """
-    reply = HopReply(activation=activation)
+    reply = HopReply(activation=None if route[0].local else await backend.embed(token_ids))
     for index, hop in enumerate(route):
-        if reply.activation is None:
+        if index and reply.activation is None:
             raise UpstreamError(f"hop {index - 1} ({route[index - 1].url}) answered a token before the last layer")
         tail_sampling = sampling if index == len(route) - 1 else {}
         started = time.perf_counter()
@@ -229,6 +273,7 @@ async def run_step(
             reply = await backend.local_step(
                 reply.activation, mode=mode, session_id=session_id, past_len=past_len,
                 start_layer=hop.start_layer, hop_index=index, sampling=tail_sampling,
+                token_ids=None if index else token_ids,
             )
         else:
             headers = wire.forward_headers(
@@ -237,7 +282,7 @@ async def run_step(
             )
             reply = await client.step(hop, reply.activation, headers)
         if on_hop is not None:
-            on_hop(hop, (time.perf_counter() - started) * 1000.0, reply.compute_ms)
+            on_hop(hop, (time.perf_counter() - started) * 1000.0, reply)
     if reply.activation is not None:
         raise UpstreamError(f"the last hop ({route[-1].url}) answered activations, not a token")
     return reply
@@ -273,10 +318,13 @@ async def generate(
     stream = TextStream(backend.decode, request.stop)
     started = time.perf_counter()
     decode_started: float | None = None
+    last_token_at = 0.0
     decode_steps = 0
 
-    def observe(hop: Hop, total_ms: float, compute_ms: float | None) -> None:
-        router.observe(hop, mode=mode, total_ms=total_ms, compute_ms=compute_ms)
+    def observe(hop: Hop, total_ms: float, reply: HopReply) -> None:
+        router.observe(hop, mode=mode, total_ms=total_ms, compute_ms=reply.compute_ms)
+        if generated:  # a step after the first token: what each further token costs on each hop
+            stats.record_hop(hop, total_ms, reply)
 
     def move_to(new_route: list[Hop]) -> None:
         """Continue on ``new_route``: one prefill of everything so far there, under the same session id."""
@@ -300,10 +348,9 @@ async def generate(
                     move_to(faster)
             feed = ids[past_len:] if mode == "decode" else ids
             step_started = time.perf_counter()
-            activation = await backend.embed(feed)
             try:
                 reply = await run_step(
-                    backend, client, route, activation, mode=mode, session_id=session_id,
+                    backend, client, route, feed, mode=mode, session_id=session_id,
                     past_len=past_len, sampling=request.sampling, on_hop=observe,
                 )
             except CacheMiss as miss:
@@ -358,6 +405,8 @@ async def generate(
                 decode_started = now
             else:
                 stats.decode_seconds = now - decode_started
+                stats.step_ms.append((now - last_token_at) * 1000.0)
+            last_token_at = now
             if done or stream.stopped:
                 stats.finish_reason = "stop"
                 if delta:
