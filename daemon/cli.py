@@ -152,7 +152,8 @@ def serve(argv: list[str]) -> int:
          f"kv cache {'on' if node.shard.supports_kv_cache else 'off'}")
     app = create_app(node)
     try:
-        asyncio.run(serve_until_stopped(app, node, config))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(serve_until_stopped(app, node, config))
     except OSError as exc:
         return _fail(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}")
     # everything is closed and nothing is left to write: skip the interpreter's teardown of torch and
@@ -161,6 +162,20 @@ def serve(argv: list[str]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _loop_factory():
+    """uvloop where it is installed (a hop's HTTP round trip costs less), else asyncio's own loop.
+
+    ``MESHNET_EVENT_LOOP=asyncio`` forces asyncio's loop (to compare the two).
+    """
+    if os.environ.get("MESHNET_EVENT_LOOP", "").strip().lower() == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def serve_until_stopped(app, node, config) -> None:

@@ -47,3 +47,14 @@ def test_a_busy_port_is_a_clear_error(tiny_model):
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_meshd_runs_on_uvloop_unless_told_otherwise(monkeypatch):
+    import uvloop
+
+    from daemon.cli import _loop_factory
+
+    monkeypatch.delenv("MESHNET_EVENT_LOOP", raising=False)
+    assert _loop_factory() is uvloop.new_event_loop
+    monkeypatch.setenv("MESHNET_EVENT_LOOP", "asyncio")
+    assert _loop_factory() is None  # asyncio's own loop, to compare the two

@@ -25,7 +25,9 @@ async def _client_ctx(app: web.Application):
     token = app[NODE].config.token
     headers = {"Authorization": f"Bearer {token}"} if token else None
     connector = aiohttp.TCPConnector(limit=64, keepalive_timeout=60)
-    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+    # nodes set no cookies: a jar that keeps none skips a cookie filter on every hop of every step
+    async with aiohttp.ClientSession(connector=connector, headers=headers,
+                                     cookie_jar=aiohttp.DummyCookieJar()) as session:
         app[CLIENT] = session
         app[NODE].planner.http = session
         yield
