@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemon.bench import Mesh  # noqa: E402
 
-# a stack's share is booked to the first of these found in it, scanning from the innermost frame
+# a stack's share is booked to the group of its innermost frame that matches one
 GROUPS = (
     ("torch layers", ("run_layers", "logits_last", "embed (daemon")),
     ("sampling", ("sample_token",)),
@@ -32,6 +32,15 @@ GROUPS = (
     ("generation loop", ("daemon/mesh",)),
     ("event loop", ("asyncio",)),
 )
+
+
+def _group(frames: list[str]) -> str:
+    """The group of the innermost frame that belongs to one (a generation runs inside the HTTP server's frames)."""
+    for frame in reversed(frames):
+        for name, needles in GROUPS:
+            if any(needle in frame for needle in needles):
+                return name
+    return "other"
 
 
 def summarise(path: Path, top: int) -> str:
@@ -49,12 +58,7 @@ def summarise(path: Path, top: int) -> str:
         own[frames[-1]] += n
         for frame in set(frames):
             under[frame] += n
-        for name, needles in GROUPS:
-            if any(needle in frame for frame in frames for needle in needles):
-                groups[name] += n
-                break
-        else:
-            groups["other"] += n
+        groups[_group(frames)] += n
     if not total:
         return f"{path.name}: no samples"
     lines = [f"{path.stem}: {total} samples of busy threads"]
