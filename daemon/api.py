@@ -7,8 +7,18 @@ here; people see them inclusive (``0-14``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+# the mesh token: printable ASCII without spaces (it travels in an HTTP header), 16-256 characters
+TOKEN_PATTERN = re.compile(r"[!-~]{16,256}")
+TOKEN_RULE = "16-256 printable ASCII characters without spaces"
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The header that carries the mesh token on every request (none without a token)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def format_layers(start: int, end: int) -> str:

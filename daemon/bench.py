@@ -24,6 +24,9 @@ import threading
 import time
 from pathlib import Path
 
+from daemon.api import auth_headers
+from daemon.config import host_cores
+
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 SETUPS = ("generate", "cached", "stateless", "three")
 WINDOW = 10  # steps in the first-N and last-N throughput windows
@@ -150,7 +153,8 @@ class Mesh:
     def __init__(self, name: str, specs: list[tuple[str, list[str]]], model: str | None = None,
                  threads: int | None = None) -> None:
         self.name, self.specs, self.model, self.threads = name, specs, model, threads
-        self.token = os.environ.get("MESHNET_TOKEN")  # a mesh with a token wants it on every request
+        # a mesh with a token (the daemons inherit MESHNET_TOKEN) wants it on every request
+        self.headers = {"Content-Type": "application/json"} | auth_headers(os.environ.get("MESHNET_TOKEN"))
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshd-bench-"))
         self.procs: list[subprocess.Popen] = []
         ports = [_free_port() for _ in self.specs]
@@ -178,10 +182,7 @@ class Mesh:
     def _request(self, method: str, path: str, body: dict | None = None, timeout: float = 5.0) -> dict:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
-            headers = {"Content-Type": "application/json"}
-            if self.token:
-                headers["Authorization"] = f"Bearer {self.token}"
-            conn.request(method, path, json.dumps(body) if body is not None else None, headers)
+            conn.request(method, path, json.dumps(body) if body is not None else None, self.headers)
             resp = conn.getresponse()
             data = resp.read()
             if resp.status != 200:
@@ -195,10 +196,7 @@ class Mesh:
         body = {"messages": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         try:
-            headers = {"Content-Type": "application/json"}
-            if self.token:
-                headers["Authorization"] = f"Bearer {self.token}"
-            conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), self.headers)
             resp = conn.getresponse()
             if resp.status != 200:
                 raise RuntimeError(f"the {self.name} mesh answered {resp.status}: {resp.read()[:300]!r}")
@@ -382,7 +380,7 @@ def machine() -> dict:
     mem = next((int(line.split()[1]) * 1024 for line in _read_lines("/proc/meminfo")
                 if line.startswith("MemTotal")), None)
     return {
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores": host_cores(),
         "cpu": cpu, "memory_bytes": mem, "platform": platform.platform(), "python": platform.python_version(),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "load_average_at_start": os.getloadavg(),
@@ -496,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     info = read_model_info(folder)
     n = info.num_layers
     half = n // 2
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = host_cores()
     host = machine()
     meshes = {
         "cached": ("mesh, 2 nodes, cached", [(f"0-{half - 1}", []), (f"{half}-{n - 1}", [])]),

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import platformdirs
+
+from daemon.api import TOKEN_PATTERN, TOKEN_RULE
 
 DEFAULT_PORT = 7070
 
@@ -121,8 +122,8 @@ def load_config(cli: dict, environ: os._Environ | dict = os.environ, path: Path 
         raise ConfigError(f"failover wait must be between 0 and 3600 seconds, got {config.failover_wait_seconds}")
     if not 0.1 <= config.hop_timeout_seconds <= 3600:
         raise ConfigError(f"hop timeout must be between 0.1 and 3600 seconds, got {config.hop_timeout_seconds}")
-    if config.token is not None and not _TOKEN.fullmatch(config.token):
-        raise ConfigError("the mesh token must be 16-256 printable ASCII characters without spaces")
+    if config.token is not None and not TOKEN_PATTERN.fullmatch(config.token):
+        raise ConfigError(f"the mesh token must be {TOKEN_RULE}")
     if config.max_body_bytes < 1024:
         raise ConfigError(f"max body bytes must be at least 1024, got {config.max_body_bytes}")
     if config.max_tokens_cap < 1:
@@ -145,9 +146,6 @@ _FIELD_TYPES = {
     "shutdown_grace_seconds": (int, float), "log_format": (str,),
 }
 
-_TOKEN = re.compile(r"[!-~]{16,256}")  # printable ASCII, no spaces: it travels in an HTTP header
-
-
 def _check_toml_type(path: Path, key: str, value) -> None:
     expected = _FIELD_TYPES[key]
     ok = isinstance(value, expected) and (bool in expected or not isinstance(value, bool))
@@ -166,8 +164,12 @@ def default_threads(config: NodeConfig) -> int:
     another process computes slow both by 3-5x; a fair share avoids that.
     """
     local_peers = sum(1 for p in config.peers if any(h in p for h in ("127.0.0.1", "localhost", "[::1]")))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // (1 + local_peers))
+    return max(1, host_cores() // (1 + local_peers))
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def is_loopback(host: str) -> bool:

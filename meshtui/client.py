@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from daemon.api import NodeStatus, RouteInfo, SessionList
+from daemon.api import NodeStatus, RouteInfo, SessionList, auth_headers
 
 if TYPE_CHECKING:
     import aiohttp
@@ -55,7 +55,7 @@ class DaemonClient:
     def __init__(self, *, timeout: float = 3.0, chat_timeout: float = 600.0, token: str | None = None) -> None:
         self._timeout_seconds = timeout
         self._chat_timeout_seconds = chat_timeout
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = auth_headers(token)
         self._session: aiohttp.ClientSession | None = None
 
     @property

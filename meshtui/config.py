@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import os
-import re
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,8 +27,9 @@ from pathlib import Path
 import platformdirs
 import tomli_w
 
+from daemon.api import TOKEN_PATTERN, TOKEN_RULE
+
 TOKEN_VARIABLE = "MESHNET_TOKEN"
-_TOKEN = re.compile(r"[!-~]{16,256}")  # meshd's rule: printable ASCII without spaces, since it travels in a header
 
 
 def default_config_path() -> Path:
@@ -92,8 +92,8 @@ class ConsoleConfig:
             raise ConsoleConfigError(f"{path}: peers must be a list of URLs")
         if not isinstance(config.keys, dict) or not all(isinstance(v, str) for v in config.keys.values()):
             raise ConsoleConfigError(f"{path}: [keys] maps binding ids to key names")
-        if config.token is not None and not (isinstance(config.token, str) and _TOKEN.fullmatch(config.token)):
-            raise ConsoleConfigError(f"{path}: token must be 16-256 printable ASCII characters without spaces")
+        if config.token is not None and not (isinstance(config.token, str) and TOKEN_PATTERN.fullmatch(config.token)):
+            raise ConsoleConfigError(f"{path}: token must be {TOKEN_RULE}")
         return config
 
     def mesh_token(self, environ: dict[str, str] | None = None) -> str | None:
@@ -105,8 +105,8 @@ class ConsoleConfig:
         token = environ.get(TOKEN_VARIABLE) or None
         if token is None:
             return self.token
-        if not _TOKEN.fullmatch(token):
-            raise ConsoleConfigError(f"{TOKEN_VARIABLE} must be 16-256 printable ASCII characters without spaces")
+        if not TOKEN_PATTERN.fullmatch(token):
+            raise ConsoleConfigError(f"{TOKEN_VARIABLE} must be {TOKEN_RULE}")
         return token
 
     def save(self) -> None:

@@ -40,7 +40,8 @@ from pathlib import Path
 
 import aiohttp
 
-from daemon.api import format_layers, parse_layers
+from daemon.api import auth_headers, format_layers, parse_layers
+from daemon.config import host_cores
 from meshtui.config import TOKEN_VARIABLE
 
 Progress = Callable[[str, str], None]
@@ -114,10 +115,6 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _url(host: str, port: int) -> str:
@@ -250,14 +247,14 @@ class LocalMesh:
         # the children run with exactly this token (or none): cli.main resolved it from MESHNET_TOKEN or the config
         env = {k: v for k, v in os.environ.items() if k != TOKEN_VARIABLE}
         self.child_env = env | ({TOKEN_VARIABLE: token} if token else {})
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = auth_headers(token)
         ports = [base_port + i for i in range(nodes)] if base_port else [free_port(host) for _ in range(nodes)]
         self.urls: list[str] = [_url(host, p) for p in ports]
         self.head_url: str = self.urls[0]
         self.nodes: list[LocalNode] = [LocalNode(label="node", layers=None, port=p, url=u)
                                        for p, u in zip(ports, self.urls)]
         self.reused = False  # head_only found a daemon already serving and started nothing
-        self.threads = max(1, usable_cores() // nodes)
+        self.threads = max(1, host_cores() // nodes)
         self._head_only = False
         self._children: list[_Child] = []
         self._loop: asyncio.AbstractEventLoop | None = None

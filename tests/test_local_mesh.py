@@ -15,13 +15,13 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from daemon.config import host_cores
 from meshtui.local import (
     LocalMesh,
     LocalMeshError,
     layers_left_by,
     model_num_layers,
     split_layers,
-    usable_cores,
 )
 from tests.meshtest import free_port
 
@@ -101,7 +101,7 @@ def test_ports_urls_and_threads_are_known_before_start():
     mesh = LocalMesh(nodes=3, base_port=7170)
     assert mesh.urls == ["http://127.0.0.1:7170", "http://127.0.0.1:7171", "http://127.0.0.1:7172"]
     assert mesh.head_url == mesh.urls[0] and mesh.processes == []
-    assert mesh.threads == max(1, usable_cores() // 3)
+    assert mesh.threads == max(1, host_cores() // 3)
     assert len(LocalMesh(layers=["0-1", "2-2", "3-3"]).urls) == 3  # one node per given range
     mesh.stop()  # nothing started: still fine
 
@@ -153,7 +153,7 @@ async def test_chat_through_the_head(mesh):
 @pytest.mark.asyncio(loop_scope="module")
 async def test_each_node_knows_the_others_and_shares_the_cores(mesh):
     local, _ = mesh
-    threads = str(max(1, usable_cores() // 2))
+    threads = str(max(1, host_cores() // 2))
     for node, other in zip(local.nodes, reversed(local.nodes)):
         argv = node.argv
         assert argv[argv.index("--layers") + 1] == node.layers
@@ -188,7 +188,7 @@ async def test_a_head_next_to_a_peer_hosts_the_layers_it_lacks(mesh, tiny_model)
         assert not head.reused and head.nodes[0].layers == "0-1"
         assert "peers host layers 2-3; this head hosts 0-1" in progress.of("head")
         argv = head.nodes[0].argv
-        assert argv[argv.index("--threads") + 1] == str(usable_cores())
+        assert argv[argv.index("--threads") + 1] == str(host_cores())
         assert [argv[i + 1] for i, a in enumerate(argv) if a == "--peer"] == [tail.url]
         status, body = await chat(head.head_url)  # the head's peers are polled every 2 s: the route appears
         for _ in range(40):

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from daemon.config import host_cores
+
 RESCAN_SECONDS = 1.0  # how often the folder is listed for daemons that came or went
 
 
@@ -35,10 +37,6 @@ def default_folder() -> Path:
     if configured:
         return Path(configured)
     return Path(tempfile.gettempdir()) / f"meshnet-{os.getuid()}" / "cores"
-
-
-def host_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class CoreShare:

@@ -9,6 +9,7 @@ import logging
 import aiohttp
 from aiohttp import web
 
+from daemon.api import auth_headers
 from daemon.node import Node
 from daemon.server import forward, openai, status
 from daemon.server.errors import error_middleware
@@ -22,8 +23,7 @@ PEER_REFRESH_SECONDS = 2.0
 
 async def _client_ctx(app: web.Application):
     # one keep-alive connection pool for every hop and every peer poll; the mesh token goes on each
-    token = app[NODE].config.token
-    headers = {"Authorization": f"Bearer {token}"} if token else None
+    headers = auth_headers(app[NODE].config.token)
     connector = aiohttp.TCPConnector(limit=64, keepalive_timeout=60)
     # nodes set no cookies: a jar that keeps none skips a cookie filter on every hop of every step
     async with aiohttp.ClientSession(connector=connector, headers=headers,
