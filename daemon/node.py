@@ -215,7 +215,7 @@ class Node:
             roles=self.roles(),
             kv_cache_enabled=self.config.kv_cache,
             supports_kv_cache=self.shard.supports_kv_cache,
-            threads=self.cores.threads or self.threads if self.cores is not None else self.threads,
+            threads=(self.cores and self.cores.threads) or self.threads,  # the share, once a step has set it
             node_id=self.node_id,
             busy=round(self.busy(), 4),
             draining=self.draining,

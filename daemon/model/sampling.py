@@ -70,4 +70,3 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) ->
         scores = scores.masked_fill(drop, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)).item())
-

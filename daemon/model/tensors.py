@@ -11,11 +11,8 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 def to_tensor(activation: Activation, *, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Reinterpret validated activation bytes as a ``[1, T, hidden]`` tensor (no unpickling, ever)."""
-    data = activation.data
-    if not isinstance(data, bytearray):
-        data = bytearray(data)  # the one copy: the layers get memory of their own, not read-only request bytes
-    wire_dtype = TORCH_DTYPES[activation.dtype]
-    flat = torch.frombuffer(data, dtype=wire_dtype) if data else torch.empty(0, dtype=wire_dtype)
+    # the one copy: the layers get memory of their own, not the read-only request bytes
+    flat = torch.frombuffer(bytearray(activation.data), dtype=TORCH_DTYPES[activation.dtype])
     return flat.view(activation.shape).to(compute_dtype)
 
 
@@ -31,5 +28,4 @@ def to_activation(tensor: torch.Tensor, *, dtype: str = "float32") -> Activation
 
 def as_sent(tensor: torch.Tensor, *, wire_dtype: str, compute_dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` as the next hop would see it after a trip over the wire in ``wire_dtype``, without the bytes."""
-    rounded = tensor.to(TORCH_DTYPES[wire_dtype])
-    return rounded.to(compute_dtype)
+    return tensor.to(TORCH_DTYPES[wire_dtype]).to(compute_dtype)
