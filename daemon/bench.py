@@ -305,50 +305,60 @@ _FLOOR_SERVER = """
 import asyncio, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
+from daemon.cli import _loop_factory
 worker = ThreadPoolExecutor(1)
 async def step(request):
     body = await request.read()
     pause = float(request.headers["X-Pause"])
     await asyncio.get_running_loop().run_in_executor(worker, time.sleep, pause)
     return web.json_response({"token_id": 1, "text": "x"})
-app = web.Application()
-app.router.add_post("/forward", step)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+async def main():
+    app = web.Application()
+    app.router.add_post("/forward", step)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", int(sys.argv[1])).start()
+    await asyncio.Event().wait()
+with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    runner.run(main())
 """
 
 
 def loopback_floor(pause_ms: float, steps: int = 60) -> dict:
-    """A bare aiohttp hop: the same body, one hand-off to a worker thread that idles ``pause_ms`` (as a node
-    computes), the same JSON answer. Its latency minus the pause is what any hop costs here before meshnet
-    adds anything: on a virtual machine, mostly waking idle cores."""
+    """A bare hop on meshd's own stack (aiohttp server, the head's hop transport, the same event loop): the
+    same body, one hand-off to a worker thread that idles ``pause_ms`` (as a node computes), the same JSON
+    answer. Its latency minus the pause is what any hop costs here before meshnet adds anything: on a
+    virtual machine, mostly waking idle cores."""
     import asyncio
     import statistics
 
-    import aiohttp
+    from daemon.cli import _loop_factory
+    from daemon.mesh.transport import HopTransport, TransportError
 
     port = _free_port()
     server = subprocess.Popen([sys.executable, "-c", _FLOOR_SERVER, str(port)])
 
     async def measure() -> list[float]:
-        async with aiohttp.ClientSession() as session:
-            url = f"http://127.0.0.1:{port}/forward"
-            for _ in range(100):
-                try:
-                    async with session.post(url, data=b"0", headers={"X-Pause": "0"}):
-                        break
-                except aiohttp.ClientError:
-                    await asyncio.sleep(0.1)
-            body = bytes(2304)
-            overheads = []
-            for _ in range(steps):
-                started = time.perf_counter()
-                async with session.post(url, data=body, headers={"X-Pause": str(pause_ms / 1000)}) as resp:
-                    await resp.read()
-                overheads.append((time.perf_counter() - started) * 1000 - pause_ms)
-            return overheads
+        hops = HopTransport()
+        url = f"http://127.0.0.1:{port}/forward"
+        for _ in range(100):
+            try:
+                await hops.post(url, b"0", headers={"X-Pause": "0"}, timeout=5.0, connect_timeout=1.0)
+                break
+            except TransportError:
+                await asyncio.sleep(0.1)
+        body = bytes(2304)
+        overheads = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            await hops.post(url, body, headers={"X-Pause": str(pause_ms / 1000)}, timeout=5.0, connect_timeout=1.0)
+            overheads.append((time.perf_counter() - started) * 1000 - pause_ms)
+        await hops.close()
+        return overheads
 
     try:
-        overheads = asyncio.run(measure())
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            overheads = runner.run(measure())
     finally:
         server.terminate()
         server.wait()
@@ -451,8 +461,9 @@ def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floo
         for s in sessions:
             print(f"{s['sessions']:<40} {s['tokens_each']:>11} {s['wall_s']:>8.1f} {s['aggregate_tps']:>16.2f}")
     print()
-    print(f"loopback floor: a bare aiohttp hop with one hand-off to a worker thread costs {floor['median_ms']:.2f} ms "
-          f"(median; min {floor['min_ms']:.2f}) around a {floor['pause_ms']:.0f} ms pause on this host")
+    print(f"loopback floor: a bare hop on the same HTTP stack with one hand-off to a worker thread costs "
+          f"{floor['median_ms']:.2f} ms (median; min {floor['min_ms']:.2f}) around a {floor['pause_ms']:.0f} ms "
+          "pause on this host")
     if checks:
         print()
         for c in checks:
@@ -554,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     cached = [r for r in rows if r["setup"] == meshes["cached"][0] and r.get("hops")]
     remote = [h for r in cached for h in r["hops"] if not h["local"] and h["steps"]]
     pause = sum(h["compute_ms"] for h in remote) / sum(h["steps"] for h in remote) if remote else 40.0
-    _say(f"loopback floor: a bare aiohttp hop around a {pause:.0f} ms pause")
+    _say(f"loopback floor: a bare hop around a {pause:.0f} ms pause")
     floor = loopback_floor(pause)
     checks = check_targets(rows, info.hidden_size)
     print_table(rows, sessions, checks, floor)

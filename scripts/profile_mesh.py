@@ -27,7 +27,7 @@ GROUPS = (
     ("torch layers", ("run_layers", "logits_last", "embed (daemon")),
     ("sampling", ("sample_token",)),
     ("serialisation", ("to_activation", "to_tensor", "parse_activation", "as_sent")),
-    ("HTTP client", ("aiohttp/client", "HopClient")),
+    ("HTTP client", ("aiohttp/client", "HopClient", "mesh/transport")),
     ("HTTP server", ("aiohttp/web_protocol", "aiohttp/web_app", "aiohttp/http_parser", "daemon/server")),
     ("generation loop", ("daemon/mesh",)),
     ("event loop", ("asyncio",)),

@@ -28,6 +28,7 @@ from daemon.errors import BadRequest, CacheMiss, HopFailed, UpstreamError
 from daemon.logs import REQUEST_ID_HEADER, request_id
 from daemon.mesh.routing import Hop
 from daemon.mesh.text import TextStream
+from daemon.mesh.transport import HopTransport, TransportError
 
 
 @dataclass
@@ -145,56 +146,56 @@ class TokenEvent:
 
 
 class HopClient:
-    """Sends one step to a remote node over a shared keep-alive HTTP session.
+    """Sends one step to a remote node over keep-alive connections (:class:`HopTransport`).
 
     A decode step (one token) must answer within ``timeout`` seconds; a step
     over T tokens gets ``timeout * T / 32`` when that is longer, so a long
-    prefill is not mistaken for a dead node.
+    prefill is not mistaken for a dead node. ``session`` (aiohttp) carries the
+    rare requests off the hot path: releasing a session on a node left behind.
     """
 
-    def __init__(self, session: aiohttp.ClientSession, *, hidden_size: int, timeout: float = 10.0) -> None:
+    def __init__(self, transport: HopTransport, session: aiohttp.ClientSession, *, hidden_size: int,
+                 timeout: float = 10.0) -> None:
+        self._transport = transport
         self._session = session
         self._hidden_size = hidden_size
         self._timeout = timeout
 
     async def step(self, hop: Hop, activation: wire.Activation, headers: dict[str, str]) -> HopReply:
-        url = hop.url.rstrip("/") + "/forward"
-        headers = headers | {REQUEST_ID_HEADER: request_id.get()}  # one id across every node of a generation
+        headers[REQUEST_ID_HEADER] = request_id.get()  # one id across every node of a generation
         seconds = self._timeout * max(1.0, activation.shape[1] / 32)
-        timeout = aiohttp.ClientTimeout(total=seconds, sock_connect=min(seconds, 5.0))
         try:
-            async with self._session.post(url, data=activation.data, headers=headers, timeout=timeout,
-                                          skip_auto_headers=_SKIPPED_HEADERS) as resp:
-                body = await resp.read()
-                if resp.status == 409:
-                    info = _json_or_empty(body)
-                    reason = info.get("reason", "unknown_session")
-                    raise CacheMiss(reason, info.get("message", f"{hop.url}: cache miss ({reason})"))
-                if resp.status != 200:
-                    message = _json_or_empty(body).get("error", {})
-                    message = message.get("message") if isinstance(message, dict) else message
-                    text = f"{hop.url} answered {resp.status}: {message or body[:200]!r}"
-                    # a 5xx is the node's trouble (a crash, a draining node): another may serve; a 4xx is ours
-                    raise HopFailed(hop.url, text) if resp.status >= 500 else UpstreamError(text)
-                compute_ms = _float_or_none(resp.headers.get(wire.COMPUTE_MS))
-                if resp.content_type == wire.ACTIVATION_CONTENT_TYPE:
-                    try:
-                        answer = wire.parse_activation(resp.headers, body, hidden_size=self._hidden_size)
-                    except BadRequest as exc:
-                        raise UpstreamError(f"{hop.url} sent a malformed activation: {exc.message}") from None
-                    reply = HopReply(activation=answer, compute_ms=compute_ms)
-                else:
-                    token = _json_or_empty(body)
-                    if "text" not in token and "token_id" not in token:
-                        raise UpstreamError(f"{hop.url} sent neither activations nor a token")
-                    reply = HopReply(token_id=token.get("token_id"), text=token.get("text", ""), compute_ms=compute_ms)
-                reply.payload_bytes = len(activation.data)
-                reply.sent_bytes, reply.received_bytes = _wire_bytes(resp, reply.payload_bytes, len(body))
-                return reply
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            reason = f"timed out after {seconds:.0f} s" if isinstance(exc, TimeoutError) else \
-                f"{exc.__class__.__name__}: {exc}".strip(": ")
+            resp = await self._transport.post(hop.url.rstrip("/") + "/forward", activation.data, headers=headers,
+                                              timeout=seconds, connect_timeout=min(seconds, 5.0))
+        except (TransportError, TimeoutError) as exc:
+            reason = f"timed out after {seconds:.0f} s" if isinstance(exc, TimeoutError) else str(exc)
             raise HopFailed(hop.url, f"{hop.url} is unreachable: {reason}") from None
+        body = resp.body
+        if resp.status == 409:
+            info = _json_or_empty(body)
+            reason = info.get("reason", "unknown_session")
+            raise CacheMiss(reason, info.get("message", f"{hop.url}: cache miss ({reason})"))
+        if resp.status != 200:
+            message = _json_or_empty(body).get("error", {})
+            message = message.get("message") if isinstance(message, dict) else message
+            text = f"{hop.url} answered {resp.status}: {message or body[:200]!r}"
+            # a 5xx is the node's trouble (a crash, a draining node): another may serve; a 4xx is ours
+            raise HopFailed(hop.url, text) if resp.status >= 500 else UpstreamError(text)
+        compute_ms = _float_or_none(resp.headers.get(wire.COMPUTE_MS))
+        if resp.content_type == wire.ACTIVATION_CONTENT_TYPE:
+            try:
+                answer = wire.parse_activation(resp.headers, body, hidden_size=self._hidden_size)
+            except BadRequest as exc:
+                raise UpstreamError(f"{hop.url} sent a malformed activation: {exc.message}") from None
+            reply = HopReply(activation=answer, compute_ms=compute_ms)
+        else:
+            token = _json_or_empty(body)
+            if "text" not in token and "token_id" not in token:
+                raise UpstreamError(f"{hop.url} sent neither activations nor a token")
+            reply = HopReply(token_id=token.get("token_id"), text=token.get("text", ""), compute_ms=compute_ms)
+        reply.payload_bytes = len(activation.data)
+        reply.sent_bytes, reply.received_bytes = resp.sent_bytes, resp.received_bytes
+        return reply
 
     def release(self, url: str, session_id: str) -> None:
         """Drop a session on a node the generation left (best effort, in the background)."""
@@ -216,18 +217,6 @@ class HopClient:
 
 
 _BACKGROUND: set[asyncio.Task] = set()
-# headers aiohttp adds that a node never reads: 80 bytes less on every hop of every step
-_SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
-
-
-def _wire_bytes(resp: aiohttp.ClientResponse, payload: int, body: int) -> tuple[int, int]:
-    """Bytes of the request and of the response on the wire, HTTP/1.1 framing included."""
-    info = resp.request_info
-    sent = len(info.method) + len(info.url.raw_path_qs) + 13  # "POST /forward HTTP/1.1\r\n", the blank line
-    sent += sum(len(k) + len(v) + 4 for k, v in info.headers.items()) + payload
-    received = 17 + len(resp.reason or "")  # "HTTP/1.1 200 OK\r\n", the blank line
-    received += sum(len(k) + len(v) + 4 for k, v in resp.raw_headers) + body
-    return sent, received
 
 
 def _float_or_none(raw: str | None) -> float | None:

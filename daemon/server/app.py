@@ -10,11 +10,12 @@ import aiohttp
 from aiohttp import web
 
 from daemon.api import auth_headers
+from daemon.mesh.transport import HopTransport
 from daemon.node import Node
 from daemon.server import forward, openai, status
 from daemon.server.errors import error_middleware
 from daemon.server.guard import auth_middleware, body_limit_middleware, context_middleware, drain_middleware
-from daemon.server.keys import CLIENT, NODE
+from daemon.server.keys import CLIENT, HOPS, NODE
 
 log = logging.getLogger(__name__)
 
@@ -22,16 +23,19 @@ PEER_REFRESH_SECONDS = 2.0
 
 
 async def _client_ctx(app: web.Application):
-    # one keep-alive connection pool for every hop and every peer poll; the mesh token goes on each
+    # keep-alive connections for the hops (lean, see daemon.mesh.transport) and for everything else (peer
+    # polls, session releases); the mesh token goes on each request
     headers = auth_headers(app[NODE].config.token)
     connector = aiohttp.TCPConnector(limit=64, keepalive_timeout=60)
     # nodes set no cookies: a jar that keeps none skips a cookie filter on every hop of every step
     async with aiohttp.ClientSession(connector=connector, headers=headers,
                                      cookie_jar=aiohttp.DummyCookieJar()) as session:
         app[CLIENT] = session
+        app[HOPS] = HopTransport(headers=headers)
         app[NODE].planner.http = session
         yield
         app[NODE].planner.http = None
+        await app[HOPS].close()
 
 
 async def _peer_poll_ctx(app: web.Application):

@@ -20,7 +20,7 @@ from daemon.errors import BadRequest, MeshError, TooManyGenerations
 from daemon.logs import REQUEST_ID_HEADER, request_id
 from daemon.mesh.generation import GenerationRequest, GenerationStats, HopClient, generate
 from daemon.server.errors import error_body, read_json
-from daemon.server.keys import CLIENT, NODE
+from daemon.server.keys import CLIENT, HOPS, NODE
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,8 @@ async def _chat(request: web.Request, node) -> web.StreamResponse:
     max_tokens = min(chat.max_tokens, context - len(prompt_ids))
     started = time.perf_counter()
     route = await node.planner.plan_for_request()
-    client = HopClient(request.app[CLIENT], hidden_size=node.hidden_size, timeout=node.config.hop_timeout_seconds)
+    client = HopClient(request.app[HOPS], request.app[CLIENT], hidden_size=node.hidden_size,
+                       timeout=node.config.hop_timeout_seconds)
     gen_request = GenerationRequest(prompt_ids, max_tokens, chat.sampling, chat.stop, chat.ignore_eos)
     stats = GenerationStats(session_id=secrets.token_hex(12), prompt_tokens=len(prompt_ids))
     completion_id = f"chatcmpl-{stats.session_id}"
