@@ -212,6 +212,32 @@ def test_a_broken_answer_on_a_used_connection_is_not_sent_again(run):
     run(main())
 
 
+def test_a_connection_that_answers_more_than_was_asked_is_dropped(run):
+    async def handle(reader, writer, index):
+        await read_request(reader)
+        if index == 1:  # a whole answer, then the start of one nobody asked for
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"
+                         b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nsta")
+            with contextlib.suppress(asyncio.IncompleteReadError):
+                await read_request(reader)
+                writer.write(b"le")  # would complete the stray answer on a connection still in use
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nright")
+        await writer.drain()
+
+    async def main():
+        server, url = await raw_server(handle)
+        async with server:
+            hops = HopTransport()
+            first = await post(hops, url + "/f")
+            await asyncio.sleep(0.2)
+            second = await post(hops, url + "/f")
+            await hops.close()
+        return first.body, second.body
+
+    assert run(main()) == (b"first", b"right")
+
+
 @pytest.mark.parametrize("answer", [b"garbage\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n"])
 def test_a_malformed_answer_is_a_clear_error(run, answer):
     async def handle(reader, writer, index):

@@ -90,6 +90,10 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     # -- httptools callbacks --
+    def on_message_begin(self) -> None:
+        if self._waiter is None:  # a second answer to one request: what follows cannot be trusted
+            self.close()
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
@@ -124,7 +128,14 @@ class _Connection(asyncio.Protocol):
         self._waiter = asyncio.get_running_loop().create_future()
         self._headers, self._body, self._body_size, self._received = [], [], 0, 0
         self._sent = len(head) + len(body)
-        self.transport.writelines((head, body))
+        if self.transport.is_closing():
+            self._waiter = None
+            raise TransportError("the node closed the connection")
+        try:
+            self.transport.writelines((head, body))
+        except RuntimeError as exc:  # uvloop refuses a write to a transport closed under us
+            self._waiter = None
+            raise TransportError(f"the node closed the connection ({exc})") from None
         return await self._waiter
 
     @property
