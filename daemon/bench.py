@@ -4,8 +4,10 @@ Every row runs in this one invocation on this one machine, so the ratios are
 comparable even on a shared, noisy host. For each number of new tokens it
 measures single-process ``transformers`` ``generate`` (the limit), a two-node
 mesh with the KV cache, the same mesh stateless (``--no-kv-cache``) and a
-three-node mesh, then many sessions at once on the two-node mesh. It prints a
-table and writes the same numbers, with the targets they are held to, as JSON.
+three-node mesh, then many sessions at once on the two-node mesh. Each mesh run
+follows a run of ``generate`` straight before it, and a mesh row's ratio is the
+median of those pairs' ratios. It prints a table and writes the same numbers,
+with the targets they are held to, as JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -330,7 +333,6 @@ def loopback_floor(pause_ms: float, steps: int = 60) -> dict:
     answer. Its latency minus the pause is what any hop costs here before meshnet adds anything: on a
     virtual machine, mostly waking idle cores."""
     import asyncio
-    import statistics
 
     from daemon.cli import _loop_factory
     from daemon.mesh.transport import HopTransport, TransportError
@@ -490,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--session-tokens", type=int, default=128, help="new tokens per concurrent session")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run each generate and cached row this many times and keep the fastest, against "
-                        "a noisy host (the slow stateless rows run once; default 1)")
+                        "a noisy host; each mesh run is paired with a generate run just before it (the slow "
+                        "stateless rows run once; default 1)")
     parser.add_argument("--json", default="bench-results/bench.json", help="where to write the results")
     args = parser.parse_args(argv)
     if min(args.tokens) < 2:
@@ -516,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"{info.name}, {n} layers, hidden size {info.hidden_size}; {cores} cores; tokens {args.tokens}")
 
     reference: dict[int, dict] = {}  # new tokens -> the fastest single-process generate
+    best_threads: dict[int, int] = {}  # new tokens -> the thread count of that run
     ref_model = None
     ref_threads = sorted(set(args.reference_threads or [1, cores]))
     if "generate" in args.setups:
@@ -528,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         ref = reference.get(tokens)
         ratio = result["decode_tps"] / ref["decode_tps"] if ref and result["decode_tps"] and ref["decode_tps"] \
             else None
+        if result.get("paired_ratios"):  # a mesh row: against the reference runs next to its own
+            ratio = statistics.median(result["paired_ratios"])
         first, last = window_tps(result["step_ms"], last=False), window_tps(result["step_ms"], last=True)
         same = result["token_ids"] == ref["token_ids"] if ref and result is not ref else None
         rows.append({"setup": setup, "new_tokens": tokens, **result, "first10_tps": first, "last10_tps": last,
@@ -537,9 +543,27 @@ def main(argv: list[str] | None = None) -> int:
         if ref_model is None or tokens in reference:
             return
         runs = {threads: fastest(args.repeat, ref_model.run, tokens, threads) for threads in ref_threads}
-        reference[tokens] = max(runs.values(), key=lambda r: r["decode_tps"] or 0.0)
+        best_threads[tokens] = max(runs, key=lambda threads: runs[threads]["decode_tps"] or 0.0)
+        reference[tokens] = runs[best_threads[tokens]]
         for threads, result in runs.items():
             add(f"generate, 1 process, {threads} thread{'s' if threads > 1 else ''}", tokens, result)
+
+    def measure_mesh(mesh: Mesh, tokens: int, times: int) -> dict:
+        """``times`` runs of ``mesh``, each right after a run of the reference (its fastest thread count).
+
+        The mesh's ratio is the median of the pairs' ratios: each pair ran under the same load of a shared
+        host, where the fastest of several reference runs against the fastest of fewer mesh runs would
+        favour the reference."""
+        results, ratios = [], []
+        for _ in range(times):
+            ref = ref_model.run(tokens, best_threads[tokens]) if ref_model is not None else None
+            result = mesh.measure(tokens)
+            results.append(result)
+            if ref is not None and ref["decode_tps"] and result["decode_tps"]:
+                ratios.append(result["decode_tps"] / ref["decode_tps"])
+        best = max(results, key=lambda r: r["decode_tps"] or 0.0)
+        return best | {"runs": times, "decode_tps_runs": [r["decode_tps"] for r in results],
+                       "paired_ratios": ratios}
 
     for key in ("cached", "stateless", "three"):
         if key not in args.setups:
@@ -551,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             mesh.generate(4)  # warm-up: connections, route measurements, lazy loads
             for tokens in args.tokens:
                 measure_reference(tokens)  # right before the mesh it is compared with, so both see the same load
-                add(name, tokens, fastest(1 if key == "stateless" else args.repeat, mesh.measure, tokens))
+                add(name, tokens, measure_mesh(mesh, tokens, 1 if key == "stateless" else args.repeat))
             if key == "cached" and args.sessions > 0:
                 sessions.append(many_sessions(mesh, 1, args.session_tokens))
                 sessions.append(many_sessions(mesh, args.sessions, args.session_tokens))
