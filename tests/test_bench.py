@@ -34,9 +34,9 @@ def test_a_quick_run_measures_every_setup_and_writes_json(tiny_model, tmp_path):
         assert row["decode_tps"] > 0 and row["first10_tps"] > 0 and row["last10_tps"] > 0
         assert row["ratio"] > 0
         if row["setup"].startswith("mesh"):
-            assert row["tokens_match"] is True, row["setup"]
+            assert row["tokens_match"] is True, row["setup"]  # greedy: the mesh generates what generate does
             # each mesh run right after a generate run: the ratio is the pairs' median
-            assert len(row["paired_ratios"]) == row["runs"] == 1 and row["ratio"] == row["paired_ratios"][0]  # greedy: the mesh generates what generate does
+            assert len(row["paired_ratios"]) == row["runs"] == 1 and row["ratio"] == row["paired_ratios"][0]
             assert row["overhead_ms_per_hop_step"] >= 0
             # a cached decode hop carries one token's activation; a stateless one the whole sequence
             per_token = hidden * 4

@@ -162,7 +162,7 @@ class HopClient:
         self._timeout = timeout
 
     async def step(self, hop: Hop, activation: wire.Activation, headers: dict[str, str]) -> HopReply:
-        headers[REQUEST_ID_HEADER] = request_id.get()  # one id across every node of a generation
+        headers = headers | {REQUEST_ID_HEADER: request_id.get()}  # one id across every node of a generation
         seconds = self._timeout * max(1.0, activation.shape[1] / 32)
         try:
             resp = await self._transport.post(hop.url.rstrip("/") + "/forward", activation.data, headers=headers,
