@@ -16,6 +16,8 @@ import time
 from daemon import __version__
 from daemon.config import ConfigError, default_config_path, default_threads, is_loopback, load_config
 
+STOP_WAIT_SECONDS = 2.0  # after the grace: how long generations get to reach their next step and end
+
 
 def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -100,7 +102,16 @@ def fetch_model(argv: list[str]) -> int:
     return 0
 
 
-def serve(argv: list[str]) -> int:
+class Refused(Exception):
+    """meshd cannot start as configured; the message says why (exit ``code``: 2 for bad options)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+def load_node(argv: list[str]):
+    """Read the options, set up logging and load the node they describe (blocking; raises :class:`Refused`)."""
     args = _serve_parser().parse_args(argv)
     from pathlib import Path
 
@@ -110,7 +121,7 @@ def serve(argv: list[str]) -> int:
             path=Path(args.config) if args.config else None,
         )
     except ConfigError as exc:
-        return _fail(str(exc), 2)
+        raise Refused(str(exc), 2) from None
     from daemon.logs import setup_logging
 
     setup_logging(level=config.log_level, fmt=config.log_format, node=config.url)
@@ -124,13 +135,11 @@ def serve(argv: list[str]) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
-
     from daemon.api import format_layers, parse_layers
     from daemon.errors import ModelUnavailable
     from daemon.model.shard import read_model_info
     from daemon.model.source import resolve_model
     from daemon.node import Node
-    from daemon.server.app import create_app
 
     started = time.perf_counter()
     try:
@@ -141,19 +150,31 @@ def serve(argv: list[str]) -> int:
             if config.layers:
                 start, end = parse_layers(config.layers, num_layers=info.num_layers)
         except ValueError as exc:
-            return _fail(f"--layers: {exc}", 2)
+            raise Refused(f"--layers: {exc}", 2) from None
         _say(f"loading layers {format_layers(start, end)} of {info.name} ({info.num_layers} layers) "
              f"with {threads} thread(s)")
         node = Node.load(config, folder, start, end, threads)
     except ModelUnavailable as exc:
-        return _fail(exc.message)
-    weights = sum(node.shard.loaded_bytes().values())
+        raise Refused(exc.message) from None
+    weights = sum(node.service.shard.loaded_bytes().values())
     _say(f"loaded in {time.perf_counter() - started:.1f} s, {weights / 1e6:.0f} MB of weights; "
-         f"kv cache {'on' if node.shard.supports_kv_cache else 'off'}")
-    app = create_app(node)
+         f"kv cache {'on' if node.service.supports_kv_cache else 'off'}")
+    return node
+
+
+def node_app(node):
+    """The node's HTTP application, as its configuration asks."""
+    from daemon.server.app import create_app
+
+    return create_app(node, token=node.config.token, max_body_bytes=node.config.max_body_bytes)
+
+
+def run(app, node) -> int:
+    """Serve ``app`` until a signal stops it (see :func:`serve_until_stopped`), then leave at once."""
+    config = node.config
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(serve_until_stopped(app, node, config))
+            runner.run(serve_until_stopped(app, node))
     except OSError as exc:
         return _fail(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}")
     # everything is closed and nothing is left to write: skip the interpreter's teardown of torch and
@@ -162,6 +183,14 @@ def serve(argv: list[str]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def serve(argv: list[str]) -> int:
+    try:
+        node = load_node(argv)
+    except Refused as exc:
+        return _fail(exc.message, exc.code)
+    return run(node_app(node), node)
 
 
 def _loop_factory():
@@ -178,7 +207,7 @@ def _loop_factory():
     return uvloop.new_event_loop
 
 
-async def serve_until_stopped(app, node, config) -> None:
+async def serve_until_stopped(app, node) -> None:
     """Serve until SIGTERM or SIGINT, then drain: /health turns 503, new work gets 503 with Retry-After,
     running generations get ``shutdown_grace_seconds`` to finish, then the node stops. A second signal
     stops it at once."""
@@ -186,6 +215,7 @@ async def serve_until_stopped(app, node, config) -> None:
 
     from aiohttp import web
 
+    config = node.config
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
@@ -201,14 +231,19 @@ async def serve_until_stopped(app, node, config) -> None:
             loop.add_signal_handler(signum, on_signal, signum)
         await stop.wait()
         node.draining = True
-        running = node.active_generations
+        head = node.head
+        running = head.active_generations
         _say(f"draining: {running} generation(s) running, {config.shutdown_grace_seconds:g} s to finish"
              if running else "stopping")
         deadline = loop.time() + config.shutdown_grace_seconds
-        while node.active_generations and loop.time() < deadline and not now.is_set():
+        while head.active_generations and loop.time() < deadline and not now.is_set():
             await asyncio.sleep(0.1)
-        if node.active_generations:
-            _say(f"stopping with {node.active_generations} generation(s) unfinished")
+        if head.active_generations:
+            _say(f"stopping with {head.active_generations} generation(s) unfinished")
+            head.stop_generations()  # each ends at its next step; its client is told why
+            deadline = loop.time() + STOP_WAIT_SECONDS
+            while head.active_generations and loop.time() < deadline and not now.is_set():
+                await asyncio.sleep(0.02)
     finally:
         await runner.cleanup()
     _say("stopped")

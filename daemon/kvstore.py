@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from daemon.api import StoreStats
 from daemon.errors import CACHE_MISS_REASONS, CacheMiss
 
 EVICTION_REASONS = ("ttl", "lru", "bytes", "dropped")
@@ -32,25 +33,6 @@ class SessionEntry:
     created_at: float  # clock() seconds; wall-clock epoch by default so a console can show them
     last_used: float
     expires_at: float  # last_used + ttl
-
-
-@dataclass
-class StoreStats:
-    """A snapshot of the store's size, limits and counters."""
-
-    sessions: int
-    bytes: int
-    max_sessions: int
-    max_bytes: int | None
-    ttl_seconds: float
-    hits: int
-    misses: int
-    misses_by_reason: dict[str, int]
-    evictions: dict[str, int]
-
-    def to_dict(self) -> dict:
-        """Plain JSON-able dict (the dicts are copies)."""
-        return dataclasses.asdict(self)
 
 
 class SessionCacheStore:

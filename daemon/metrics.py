@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from daemon.kvstore import StoreStats
+from daemon.api import StoreStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

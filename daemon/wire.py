@@ -74,6 +74,16 @@ class ForwardRequest:
     sampling: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ForwardReply:
+    """What a node answers to a ``/forward`` step: activations for the next hop, or (the tail) a token."""
+
+    activation: Activation | None = None
+    token_id: int | None = None
+    text: str | None = None
+    compute_ms: float = 0.0  # the node's own time on the step
+
+
 def _int_header(headers, name: str, *, minimum: int = 0, maximum: int = MAX_SEQUENCE) -> int | None:
     raw = headers.get(name)
     if raw is None:

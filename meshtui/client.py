@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from daemon.api import NodeStatus, RouteInfo, SessionList, auth_headers
+from daemon.api import GenerationStats, NodeStatus, RouteInfo, SessionList, auth_headers
 
 if TYPE_CHECKING:
     import aiohttp
@@ -43,7 +43,7 @@ class ChatChunk:
 
     text: str = ""
     finish_reason: str | None = None
-    stats: dict = field(default_factory=dict)  # the daemon's ``meshnet`` block, on the last chunk
+    stats: GenerationStats | None = None  # the daemon's ``meshnet`` block, on the last chunk
     usage: dict | None = None
 
 
@@ -133,10 +133,11 @@ def _chunk(event: dict) -> ChatChunk:
     if not event.get("choices"):
         return ChatChunk(usage=event.get("usage"))
     choice = event["choices"][0]
+    stats = event.get("meshnet")
     return ChatChunk(
         text=choice.get("delta", {}).get("content") or "",
         finish_reason=choice.get("finish_reason"),
-        stats=event.get("meshnet") or {},
+        stats=GenerationStats.from_dict(stats) if isinstance(stats, dict) else None,
         usage=event.get("usage"),
     )
 

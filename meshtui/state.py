@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from daemon.api import ModelSummary, NodeStatus, RouteInfo, SessionInfo, SessionList
+from daemon.api import GenerationStats, ModelSummary, NodeStatus, RouteEvent, RouteInfo, SessionInfo, SessionList
 
 GRAPH_POINTS = 60  # samples kept for each tokens/s graph
 LOADING_LINES = 4  # start-up lines kept per local node
@@ -104,7 +104,7 @@ class GenerationRecord:
     started_at: float
     text: str = ""
     chunk_times: list[float] = field(default_factory=list)  # local arrival time of each chunk with text
-    stats: dict = field(default_factory=dict)  # the daemon's ``meshnet`` block, once the last chunk came
+    stats: GenerationStats | None = None  # the daemon's ``meshnet`` block, once the last chunk came
     outcome: str = "streaming"  # streaming | done | cancelled | failed
     error: str | None = None
 
@@ -114,7 +114,7 @@ class GenerationRecord:
 
     @property
     def tokens(self) -> int:
-        return self.stats.get("completion_tokens") or len(self.chunk_times)
+        return (self.stats and self.stats.completion_tokens) or len(self.chunk_times)
 
     def add_text(self, text: str, at: float) -> None:
         self.text += text
@@ -134,8 +134,8 @@ class GenerationRecord:
     @property
     def tokens_per_second(self) -> float | None:
         """The daemon's decode rate when it reported one, else what the chunk arrivals measured."""
-        if self.stats.get("decode_tokens_per_second"):
-            return self.stats["decode_tokens_per_second"]
+        if self.stats is not None and self.stats.decode_tokens_per_second:
+            return self.stats.decode_tokens_per_second
         times = self.chunk_times
         if len(times) > 1 and times[-1] > times[0]:
             return (len(times) - 1) / (times[-1] - times[0])
@@ -195,12 +195,12 @@ class MeshState:
         """The head's route, unless the head stopped answering: then the last one known is stale."""
         return self.route if self.route_error is None else None
 
-    def recent_route_events(self, limit: int = ROUTE_EVENTS_SHOWN) -> list[RouteEvent]:
+    def recent_route_events(self, limit: int = ROUTE_EVENTS_SHOWN) -> list[RouteChange]:
         """The head's latest failovers, reroutes and failures to find a route, newest first."""
         route = self.current_route
         if route is None:
             return []
-        return [RouteEvent.from_dict(e) for e in reversed(route.events[-limit:]) if isinstance(e, dict)]
+        return [RouteChange.from_event(e) for e in reversed(route.events[-limit:])]
 
     @property
     def draining(self) -> int:
@@ -245,8 +245,8 @@ class MeshState:
 
 
 @dataclass(frozen=True)
-class RouteEvent:
-    """One of the head's route changes (``daemon.api.RouteInfo.events``), with its reason cut to a few words."""
+class RouteChange:
+    """One of the head's route changes as the console shows it: its reason cut to a few words, its route by node."""
 
     time: float  # the head's clock
     kind: str  # failover | reroute | no_route
@@ -256,16 +256,10 @@ class RouteEvent:
     route: tuple[str, ...] = ()  # the new route's nodes in order, the head's own hop as "local"
 
     @classmethod
-    def from_dict(cls, data: dict) -> RouteEvent:
-        failed = data.get("failed") or None
-        kind = str(data.get("kind") or "event")
-        return cls(
-            time=float(data.get("time") or 0.0), kind=kind, failed=failed,
-            reason=short_reason(kind, str(data.get("reason") or ""), failed),
-            position=data.get("position"),
-            route=tuple("local" if h.get("local") else str(h["url"])
-                        for h in data.get("route") or [] if isinstance(h, dict) and "url" in h),
-        )
+    def from_event(cls, event: RouteEvent) -> RouteChange:
+        return cls(time=event.time, kind=event.kind, failed=event.failed,
+                   reason=short_reason(event.kind, event.reason, event.failed), position=event.position,
+                   route=tuple("local" if hop.local else hop.url for hop in event.route))
 
 
 _LAYERS = re.compile(r"serves layers (\d+-\d+)")

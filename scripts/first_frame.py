@@ -1,4 +1,4 @@
-"""Time ``meshtui --connect URL`` from spawn to its first full frame, against a stub daemon on 127.0.0.1.
+"""Time ``meshtui --connect URL`` from spawn to its first full frame, against a fake daemon on 127.0.0.1.
 
     .venv/bin/python scripts/first_frame.py [--runs 5] [--console PATH]
 
@@ -12,7 +12,6 @@ machine the wall time varies with the load, the CPU time less so.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import fcntl
 import os
 import pty
@@ -25,14 +24,13 @@ import subprocess
 import sys
 import tempfile
 import termios
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.tui_data import StubDaemon  # noqa: E402 - the repository root is on the path only now
+from tests.tui_data import FakeDaemon, served_in_thread  # noqa: E402 - the repository root is on the path only now
 
 MESHTUI = ROOT / ".venv" / "bin" / "meshtui"
 ROWS, COLUMNS = 40, 120
@@ -90,20 +88,15 @@ def main() -> None:
                         help="the meshtui to time (default: this checkout's); another checkout's, to compare")
     args = parser.parse_args()
 
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, name="stub daemon", daemon=True).start()
-    stub = StubDaemon(0, 30)
-    asyncio.run_coroutine_threadsafe(stub.start(), loop).result()
-    with tempfile.TemporaryDirectory() as folder:
+    with served_in_thread(FakeDaemon(0, 30)) as daemon, tempfile.TemporaryDirectory() as folder:
         config = Path(folder) / "meshtui.toml"  # absent: the defaults, and nothing of the user's
-        first_frame(args.console, stub.url, config)  # warm-up, not counted
+        first_frame(args.console, daemon.url, config)  # warm-up, not counted
         walls, cpus = [], []
         for run in range(1, args.runs + 1):
-            wall, cpu = first_frame(args.console, stub.url, config)
+            wall, cpu = first_frame(args.console, daemon.url, config)
             walls.append(wall)
             cpus.append(cpu)
             print(f"run {run}: {wall:.3f} s (CPU {cpu:.2f} s)", flush=True)
-    asyncio.run_coroutine_threadsafe(stub.stop(), loop).result()
     print(f"meshtui --connect: first full frame after {statistics.median(walls):.3f} s, CPU "
           f"{statistics.median(cpus):.2f} s (medians of {len(walls)} runs; load average {os.getloadavg()[0]:.2f})")
 

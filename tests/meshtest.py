@@ -39,11 +39,13 @@ class Daemon:
 
     def __init__(self, model: Path | str, layers: str, *, peers: list[Daemon] = (), extra: list[str] = (),
                  env: dict | None = None, threads: int = 1, log_dir: Path | None = None,
-                 port: int | None = None, peer_urls: list[str] = ()) -> None:
+                 port: int | None = None, peer_urls: list[str] = (), variant: str | None = None) -> None:
+        """``variant``: a test-only twist on meshd (see ``tests.meshd_variants``)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.layers = layers
-        argv = [sys.executable, "-m", "daemon.cli", "--model", str(model), "--layers", layers,
+        program = ["tests.meshd_variants", variant] if variant else ["daemon.cli"]
+        argv = [sys.executable, "-m", *program, "--model", str(model), "--layers", layers,
                 "--port", str(self.port), "--threads", str(threads), *extra]
         for url in [p.url for p in peers] + list(peer_urls):
             argv += ["--peer", url]

@@ -12,15 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from daemon.api import Sampling  # noqa: E402
 from daemon.errors import CacheMiss  # noqa: E402
 from daemon.kvstore import SessionCacheStore  # noqa: E402
-from daemon.model.sampling import SamplingParams  # noqa: E402
 from daemon.model.shard import ModelShard  # noqa: E402
 
 PROMPT = [1, 504, 3158, 1567, 4829, 28, 2117, 314, 17843]  # 9 ids in the 49152 vocab
 FIRST_CHUNK = 5  # prefill these, then the other 4 prompt tokens as one multi-token decode step
 NEW_TOKENS = 12
-GREEDY = SamplingParams()
+GREEDY = Sampling()
 N_LAYERS = 4
 
 # split point k: the head shard hosts layers [0, k), the tail [k, 4); comments show what each side holds

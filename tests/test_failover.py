@@ -21,8 +21,9 @@ def request(max_tokens: int = TOKENS, messages=PROMPT) -> dict:
     return {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
-def start(model, layers: str, log_dir, *, peers: list[Daemon] = (), extra: list[str] = (), env=None) -> Daemon:
-    return Daemon(model, layers, peers=list(peers), extra=list(extra), env=env, log_dir=log_dir)
+def start(model, layers: str, log_dir, *, peers: list[Daemon] = (), extra: list[str] = (), env=None,
+          variant: str | None = None) -> Daemon:
+    return Daemon(model, layers, peers=list(peers), extra=list(extra), env=env, log_dir=log_dir, variant=variant)
 
 
 def stop_all(daemons: list[Daemon]) -> None:
@@ -137,7 +138,7 @@ def test_restarting_the_only_tail_mid_generation_changes_nothing_for_the_client(
 
 def test_new_generations_move_to_the_faster_replica(default_model, tmp_path, reference_tokens):
     fast = start(default_model, "15-29", tmp_path)
-    slow = start(default_model, "15-29", tmp_path, env={"MESHNET_TEST_STEP_DELAY_MS": "300"})
+    slow = start(default_model, "15-29", tmp_path, variant="slow-300")
     head = start(default_model, "0-14", tmp_path, peers=[slow, fast])
     daemons = [head, slow, fast]
     try:

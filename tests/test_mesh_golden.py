@@ -141,7 +141,7 @@ def test_legacy_tail_without_token_ids_prefills_every_step(default_model, refere
     """A tail from before ADR-0022 answers text only: the head re-tokenizes and prefills each step."""
     _, tokenizer = reference_model
     messages = [{"role": "user", "content": "Name three colours."}]
-    tail = Daemon(default_model, "15-29", env={"MESHNET_TEST_LEGACY_TAIL": "1"}, log_dir=tmp_path)
+    tail = Daemon(default_model, "15-29", variant="legacy-tail", log_dir=tmp_path)
     head = Daemon(default_model, "0-14", peers=[tail], log_dir=tmp_path)
     try:
         tail.wait_ready(), head.wait_ready(), head.wait_peers(1)

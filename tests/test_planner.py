@@ -135,7 +135,7 @@ def test_reroute_only_to_a_measured_route_that_is_far_faster():
     assert better is not None and better[1].url == R2
     assert planner.reroutes == 1
     event = planner.events[-1]
-    assert event["kind"] == "reroute" and event["position"] == 42 and event["route"][1]["url"] == R2
+    assert event.kind == "reroute" and event.position == 42 and event.route[1].url == R2
 
 
 async def test_failover_marks_the_node_down_and_plans_around_it():
@@ -148,7 +148,7 @@ async def test_failover_marks_the_node_down_and_plans_around_it():
     assert planner.peers.peers[failed.url].up is False
     assert planner.failovers == 1
     event = planner.events[-1]
-    assert (event["kind"], event["failed"], event["position"]) == ("failover", failed.url, 7)
+    assert (event.kind, event.failed, event.position) == ("failover", failed.url, 7)
 
 
 async def test_failover_without_a_replica_waits_for_the_bound_then_names_the_missing_layers(monkeypatch):
@@ -165,7 +165,7 @@ async def test_failover_without_a_replica_waits_for_the_bound_then_names_the_mis
     with pytest.raises(RouteUnavailable, match=r"layers 15-29 of 0-29"):
         await planner.failover(route[1], "refused", session_id="s", position=3)
     assert sum(slept) == pytest.approx(2.0)
-    assert planner.events[-1]["kind"] == "no_route"
+    assert planner.events[-1].kind == "no_route"
 
 
 async def test_failover_takes_a_node_that_comes_back_while_waiting(monkeypatch):

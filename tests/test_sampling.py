@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from daemon.model.sampling import SamplingParams, position_generator, sample_token
+from daemon.api import Sampling
+from daemon.model.sampling import position_generator, sample_token
 
 VOCAB = 512
 
@@ -28,12 +29,12 @@ def logits_from_probs(probs: list[float]) -> torch.Tensor:
 
 
 def test_params_defaults_are_greedy_and_to_dict():
-    params = SamplingParams()
+    params = Sampling()
     assert params.greedy is True
     assert params.to_dict() == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
-    assert SamplingParams(temperature=0.7).greedy is False
-    assert SamplingParams(temperature=0.7, top_k=1).greedy is True
-    assert SamplingParams(temperature=-1.0).greedy is True
+    assert Sampling(temperature=0.7).greedy is False
+    assert Sampling(temperature=0.7, top_k=1).greedy is True
+    assert Sampling(temperature=-1.0).greedy is True
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -42,13 +43,13 @@ def test_greedy_is_argmax(seed):
     expected = int(torch.argmax(logits))
     for position in (0, 1, 17, 4096):
         for s in (0, 1, 12345):
-            assert sample_token(logits, SamplingParams(temperature=0.0, seed=s), position) == expected
+            assert sample_token(logits, Sampling(temperature=0.0, seed=s), position) == expected
 
 
 def test_greedy_picks_a_non_first_maximum():
     logits = torch.full((VOCAB,), -5.0)
     logits[321] = 4.0
-    assert sample_token(logits, SamplingParams(), 0) == 321
+    assert sample_token(logits, Sampling(), 0) == 321
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -56,13 +57,13 @@ def test_top_k_1_equals_greedy(seed):
     logits = random_logits(100 + seed)
     expected = int(torch.argmax(logits))
     for position in range(5):
-        params = SamplingParams(temperature=1.5, top_k=1, seed=seed)
+        params = Sampling(temperature=1.5, top_k=1, seed=seed)
         assert sample_token(logits, params, position) == expected
 
 
 def test_greedy_works_on_half_precision_logits():
     logits = random_logits(7).to(torch.bfloat16)
-    assert sample_token(logits, SamplingParams(), 0) == int(torch.argmax(logits.float()))
+    assert sample_token(logits, Sampling(), 0) == int(torch.argmax(logits.float()))
 
 
 # ---- seeded sampling ----------------------------------------------------------------------------
@@ -70,24 +71,24 @@ def test_greedy_works_on_half_precision_logits():
 
 def test_seeded_sampling_reproducible_regardless_of_call_order():
     logits = flat_logits()
-    params = SamplingParams(temperature=1.0, seed=42)
+    params = Sampling(temperature=1.0, seed=42)
     positions = list(range(60))
     forward = {p: sample_token(logits, params, p) for p in positions}
     # backwards, interleaved with unrelated draws (other seeds, global RNG use)
     backward = {}
     for p in reversed(positions):
-        sample_token(logits, SamplingParams(temperature=1.0, seed=7), p + 1000)
+        sample_token(logits, Sampling(temperature=1.0, seed=7), p + 1000)
         torch.rand(3)
         backward[p] = sample_token(logits, params, p)
     assert forward == backward
     # and a fresh params object with the same values
-    again = SamplingParams(temperature=1.0, seed=42)
+    again = Sampling(temperature=1.0, seed=42)
     assert {p: sample_token(logits, again, p) for p in positions} == forward
 
 
 def test_seeded_sampling_independent_of_global_torch_seed():
     logits = flat_logits()
-    params = SamplingParams(temperature=1.0, seed=3)
+    params = Sampling(temperature=1.0, seed=3)
     torch.manual_seed(1)
     first = [sample_token(logits, params, p) for p in range(20)]
     torch.manual_seed(999)
@@ -97,7 +98,7 @@ def test_seeded_sampling_independent_of_global_torch_seed():
 
 def test_different_positions_draw_different_tokens():
     logits = flat_logits()  # uniform over VOCAB tokens
-    params = SamplingParams(temperature=1.0, seed=42)
+    params = Sampling(temperature=1.0, seed=42)
     tokens = [sample_token(logits, params, p) for p in range(200)]
     # 200 uniform draws from 512 tokens: ~165 distinct expected; a constant stream would give 1
     assert len(set(tokens)) > 120
@@ -105,11 +106,11 @@ def test_different_positions_draw_different_tokens():
 
 def test_different_seeds_draw_different_tokens():
     logits = flat_logits()
-    tokens = [sample_token(logits, SamplingParams(temperature=1.0, seed=s), 5) for s in range(200)]
+    tokens = [sample_token(logits, Sampling(temperature=1.0, seed=s), 5) for s in range(200)]
     assert len(set(tokens)) > 120
     # neighbouring seeds are not shifted copies of each other's position streams
-    a = [sample_token(logits, SamplingParams(temperature=1.0, seed=1), p) for p in range(1, 41)]
-    b = [sample_token(logits, SamplingParams(temperature=1.0, seed=2), p) for p in range(0, 40)]
+    a = [sample_token(logits, Sampling(temperature=1.0, seed=1), p) for p in range(1, 41)]
+    b = [sample_token(logits, Sampling(temperature=1.0, seed=2), p) for p in range(0, 40)]
     assert sum(x == y for x, y in zip(a, b)) < 5
 
 
@@ -129,7 +130,7 @@ def test_position_generator_accepts_large_and_negative_seeds():
 
 def test_sampling_follows_the_distribution():
     logits = logits_from_probs([0.7, 0.2, 0.1])
-    params = SamplingParams(temperature=1.0, seed=11)
+    params = Sampling(temperature=1.0, seed=11)
     counts = [0, 0, 0]
     n = 600
     for p in range(n):
@@ -141,8 +142,8 @@ def test_sampling_follows_the_distribution():
 
 def test_low_temperature_sharpens():
     logits = torch.tensor([1.0, 0.0, 0.0, 0.0])  # at T=1 the best token has p ~ 0.48
-    cold = [sample_token(logits, SamplingParams(temperature=0.05, seed=1), p) for p in range(200)]
-    warm = [sample_token(logits, SamplingParams(temperature=1.0, seed=1), p) for p in range(200)]
+    cold = [sample_token(logits, Sampling(temperature=0.05, seed=1), p) for p in range(200)]
+    warm = [sample_token(logits, Sampling(temperature=1.0, seed=1), p) for p in range(200)]
     assert cold.count(0) == 200  # p(best) = 1 - 3e-9 at T=0.05
     assert warm.count(0) < 150
 
@@ -155,7 +156,7 @@ def test_top_k_restricts_to_k_best(k):
     logits = random_logits(31)
     allowed = set(torch.topk(logits, k).indices.tolist())
     # a high temperature flattens the distribution so the tail would show up without top-k
-    seen = {sample_token(logits, SamplingParams(temperature=5.0, top_k=k, seed=s), s % 7) for s in range(300)}
+    seen = {sample_token(logits, Sampling(temperature=5.0, top_k=k, seed=s), s % 7) for s in range(300)}
     assert seen <= allowed
     assert seen == allowed  # every one of the k best gets drawn sometimes
 
@@ -164,13 +165,13 @@ def test_without_top_k_the_tail_is_drawn():
     """Guard for the test above: the same draws without top_k leave the top 5."""
     logits = random_logits(31)
     top5 = set(torch.topk(logits, 5).indices.tolist())
-    seen = {sample_token(logits, SamplingParams(temperature=5.0, seed=s), s % 7) for s in range(300)}
+    seen = {sample_token(logits, Sampling(temperature=5.0, seed=s), s % 7) for s in range(300)}
     assert seen - top5
 
 
 def test_top_k_larger_than_vocab_is_harmless():
     logits = logits_from_probs([0.5, 0.3, 0.2])
-    seen = {sample_token(logits, SamplingParams(temperature=1.0, top_k=10, seed=s), 0) for s in range(200)}
+    seen = {sample_token(logits, Sampling(temperature=1.0, top_k=10, seed=s), 0) for s in range(200)}
     assert seen == {0, 1, 2}
 
 
@@ -185,30 +186,30 @@ def dominant_logits(vocab: int = 64, top: int = 13, p_top: float = 0.95) -> torc
 
 def test_top_p_keeps_only_the_nucleus():
     logits = dominant_logits()
-    draws = [sample_token(logits, SamplingParams(temperature=1.0, top_p=0.5, seed=s), s) for s in range(400)]
+    draws = [sample_token(logits, Sampling(temperature=1.0, top_p=0.5, seed=s), s) for s in range(400)]
     assert set(draws) == {13}
 
 
 def test_without_top_p_the_rest_is_drawn():
     """Guard for the test above: the same 400 draws without top_p pick other tokens (~20 expected)."""
     logits = dominant_logits()
-    draws = [sample_token(logits, SamplingParams(temperature=1.0, seed=s), s) for s in range(400)]
+    draws = [sample_token(logits, Sampling(temperature=1.0, seed=s), s) for s in range(400)]
     assert sum(d != 13 for d in draws) >= 5
 
 
 def test_top_p_boundary():
     logits = logits_from_probs([0.5, 0.3, 0.2])
     # 0.7: token 0 (0.5) does not reach it, token 1 gets in, token 2 (0.5+0.3 before it) is out
-    at_07 = {sample_token(logits, SamplingParams(temperature=1.0, top_p=0.7, seed=s), 1) for s in range(300)}
+    at_07 = {sample_token(logits, Sampling(temperature=1.0, top_p=0.7, seed=s), 1) for s in range(300)}
     assert at_07 == {0, 1}
-    at_09 = {sample_token(logits, SamplingParams(temperature=1.0, top_p=0.9, seed=s), 1) for s in range(300)}
+    at_09 = {sample_token(logits, Sampling(temperature=1.0, top_p=0.9, seed=s), 1) for s in range(300)}
     assert at_09 == {0, 1, 2}
 
 
 def test_top_p_order_independent_of_token_ids():
     # the nucleus is chosen by probability, not by index: put the best token last
     logits = logits_from_probs([0.02, 0.03, 0.05, 0.9])
-    draws = {sample_token(logits, SamplingParams(temperature=1.0, top_p=0.6, seed=s), 2) for s in range(200)}
+    draws = {sample_token(logits, Sampling(temperature=1.0, top_p=0.6, seed=s), 2) for s in range(200)}
     assert draws == {3}
 
 
@@ -216,24 +217,24 @@ def test_tiny_top_p_keeps_the_best_token():
     logits = random_logits(5)
     expected = int(torch.argmax(logits))
     for s in range(20):
-        assert sample_token(logits, SamplingParams(temperature=1.0, top_p=1e-6, seed=s), s) == expected
+        assert sample_token(logits, Sampling(temperature=1.0, top_p=1e-6, seed=s), s) == expected
 
 
 def test_zero_top_p_keeps_the_best_token():
     # reachable from the wire: X-Meshnet-Sampling values are type-checked, not range-checked
     logits = random_logits(5)
-    assert sample_token(logits, SamplingParams(temperature=1.0, top_p=0.0, seed=1), 0) == int(torch.argmax(logits))
+    assert sample_token(logits, Sampling(temperature=1.0, top_p=0.0, seed=1), 0) == int(torch.argmax(logits))
 
 
 def test_top_k_and_top_p_combine():
     logits = logits_from_probs([0.4, 0.3, 0.2, 0.1])
     # top_k=3 drops token 3 and renormalises to 4/9, 3/9, 2/9; top_p=0.5 keeps tokens 0 and 1
-    draws = {sample_token(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.5, seed=s), 0) for s in range(300)}
+    draws = {sample_token(logits, Sampling(temperature=1.0, top_k=3, top_p=0.5, seed=s), 0) for s in range(300)}
     assert draws == {0, 1}
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, seed=3)])
+@pytest.mark.parametrize("params", [Sampling(), Sampling(temperature=0.7, seed=3)])
 def test_non_finite_logits_are_a_bad_request_not_a_crash(bad, params):
     from daemon.errors import BadRequest
 

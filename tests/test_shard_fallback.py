@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from daemon.api import Sampling
 from daemon.errors import CacheMiss
 from daemon.kvstore import SessionCacheStore
-from daemon.model.sampling import SamplingParams
 from daemon.model.shard import ModelShard
 
 PROMPT = [5, 17, 42, 7, 99, 3, 11]
@@ -50,7 +50,7 @@ def test_layers_without_cache_support_fall_back_to_stateless(tiny_model, expecte
     head = ModelShard(folder, 0, 2, sessions=store)
     tail = ModelShard(folder, 2, 4, head=False, sessions=SessionCacheStore())
     assert head.supports_kv_cache is False and tail.supports_kv_cache is False
-    greedy = SamplingParams()
+    greedy = Sampling()
 
     # a decode step is a cache miss, never a silently wrong single-token run
     with pytest.raises(CacheMiss) as miss:

@@ -1,6 +1,6 @@
-"""The console driven by keys against stub daemons on 127.0.0.1: chat, cancel, evict, peers, keys, down/up, the token.
+"""The console driven by keys against fake daemons on 127.0.0.1: chat, cancel, evict, peers, keys, down/up, the token.
 
-The stub serves the JSON shapes of ``daemon.api`` and an SSE chat stream, and records what the
+The fake daemons are meshd's real application over a fake node (``tests.tui_data``): it records what the
 console asked of it, so these tests run the console's real HTTP client without loading a model.
 """
 
@@ -32,8 +32,8 @@ from tests.tui_data import (
     NOW,
     TOKEN,
     WORKER_SESSIONS,
+    FakeDaemon,
     FrozenClock,
-    StubDaemon,
     node_status,
     session,
     session_list,
@@ -45,11 +45,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 async def daemons():
-    """``await daemons(start, end, ...)`` -> a started :class:`StubDaemon`, stopped at teardown."""
-    started: list[StubDaemon] = []
+    """``await daemons(start, end, ...)`` -> a started :class:`FakeDaemon`, stopped at teardown."""
+    started: list[FakeDaemon] = []
 
-    async def start(*args, **kwargs) -> StubDaemon:
-        daemon = StubDaemon(*args, **kwargs)
+    async def start(*args, **kwargs) -> FakeDaemon:
+        daemon = FakeDaemon(*args, **kwargs)
         await daemon.start()
         started.append(daemon)
         return daemon
@@ -325,9 +325,9 @@ async def test_the_command_palette_offers_every_action():
 
 
 class QuickLocalMesh:
-    """A local mesh that is up at once, on a stub daemon, and counts how often it is stopped."""
+    """A local mesh that is up at once, on a fake daemon, and counts how often it is stopped."""
 
-    def __init__(self, head: StubDaemon) -> None:
+    def __init__(self, head: FakeDaemon) -> None:
         self.head_url = head.url
         self.urls = [head.url]
         self.stopped = 0
@@ -372,10 +372,10 @@ async def test_the_console_against_a_real_two_node_mesh(default_model, tmp_path)
             await wait_until(pilot, lambda: app.state.generations and app.state.generations[-1].finished,
                              "the answer", timeout=120)
             answer = app.state.generations[-1]
-            assert answer.outcome == "done" and answer.text and answer.stats["completion_tokens"] > 0
+            assert answer.outcome == "done" and answer.text and answer.stats.completion_tokens > 0
 
             # the head drops its session when an answer ends; the worker keeps it until its TTL
-            session_id = answer.stats["session_id"]
+            session_id = answer.stats.session_id
             table = app.main.sessions_view.sessions
             key = f"{worker.url} {session_id}"
             await wait_until(pilot, lambda: key in [row.value for row in table.rows], "the worker's session")

@@ -1,13 +1,17 @@
 """SVG snapshots of every console view.
 
-As in memray's live TUI tests: polling is off, the clock is frozen, and data arrives as the very
-messages the poller and the chat worker post, so the real handlers draw every screen. Route events
-show the local wall clock, so the time zone is pinned to UTC. Update the baselines with
+As in memray's live TUI tests: polling is off, the clock is frozen, and polls arrive as the very
+messages the poller posts, so the real handlers draw every screen. A chat streams over HTTP from
+meshd's real application over a fake head (``tests.tui_data.FakeDaemon``), which moves the frozen
+clock before each chunk and waits for the console to take it before the next. Route events show
+the local wall clock, so the time zone is pinned to UTC. Update the baselines with
 ``pytest tests/test_tui_snapshots.py --snapshot-update`` and look at the SVGs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 
 import pytest
@@ -16,7 +20,7 @@ from textual.widgets import Input, Markdown
 
 from daemon.api import RouteInfo
 from meshtui.app import MeshApp
-from meshtui.client import UNAUTHORIZED, ChatChunk
+from meshtui.client import UNAUTHORIZED, DaemonClient
 from meshtui.config import ConsoleConfig
 from meshtui.messages import NodePolled, RoutePolled
 from tests.tui_data import (
@@ -26,11 +30,12 @@ from tests.tui_data import (
     REPLICA,
     WORKER,
     WORKER_SESSIONS,
+    FakeDaemon,
     FrozenClock,
-    ScriptedChat,
     StartingMesh,
     failover_route,
     node_status,
+    served_in_thread,
     session_list,
     two_node_route,
 )
@@ -60,9 +65,33 @@ def console(clock: FrozenClock | None = None, **kwargs) -> MeshApp:
     return MeshApp(ConsoleConfig(), poll=False, clock=clock or FrozenClock(), **kwargs)
 
 
-def answer_chunks(text: str = ANSWER) -> list[ChatChunk]:
-    words = text.split(" ")
-    return [ChatChunk(text="")] + [ChatChunk(text=w if i == 0 else " " + w) for i, w in enumerate(words)]
+def answer_tokens(text: str = ANSWER) -> list[str]:
+    return [w if i == 0 else " " + w for i, w in enumerate(text.split(" "))]
+
+
+class Redirected(DaemonClient):
+    """The console's own client, its chat sent to ``url`` (the fake daemon's port) wherever the console
+    sends it: the screens show the head at :7070, which a test cannot count on having free."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+
+    def chat_stream(self, url: str, messages: list[dict], **params):
+        return super().chat_stream(self.url, messages, **params)
+
+
+@contextlib.contextmanager
+def answering(app: MeshApp, clock: FrozenClock, text: str, **kwargs):
+    """A head that streams ``text`` word by word to ``app``, one word per chunk the console has taken."""
+
+    async def pace(tokens_sent: int) -> None:
+        while len(app.state.generations[-1].chunk_times) < tokens_sent:
+            await asyncio.sleep(0.002)
+
+    with served_in_thread(FakeDaemon(0, 30, answer=answer_tokens(text), clock=clock, pace=pace, **kwargs)) as head:
+        app.client = Redirected(head.url)
+        yield head
 
 
 def steady(app: MeshApp) -> None:
@@ -252,9 +281,6 @@ def test_sessions_evict_confirmation(snap_compare):
 def test_throughput_with_data(snap_compare):
     clock = FrozenClock()
     app = console(clock)
-    app.client = ScriptedChat(answer_chunks() + [ChatChunk(finish_reason="stop", stats=FINAL_STATS)], clock,
-                              steps=UNEVEN_STEPS)
-
     async def run_before(pilot: Pilot) -> None:
         await ready(pilot)
         for second, (head_tokens, worker_tokens) in enumerate([(0, 0), (40, 40), (52, 52), (61, 61), (70, 70),
@@ -273,14 +299,13 @@ def test_throughput_with_data(snap_compare):
         await pilot.press("escape", "3")  # Esc leaves the prompt, so the next key switches views
         await settle(pilot)
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    with answering(app, clock, ANSWER, stats=FINAL_STATS, steps=UNEVEN_STEPS):
+        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
 def test_chat_mid_stream(snap_compare):
     clock = FrozenClock()
     app = console(clock)
-    chunks = answer_chunks()
-    app.client = ScriptedChat(chunks, clock, steps=UNEVEN_STEPS, hold=True)
 
     async def run_before(pilot: Pilot) -> None:
         await ready(pilot)
@@ -291,14 +316,13 @@ def test_chat_mid_stream(snap_compare):
         await settle(pilot, until=lambda: app.main.chat_view.query(Markdown) and
                      app.main.chat_view.query(Markdown).last().source == ANSWER)
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    with answering(app, clock, ANSWER, steps=UNEVEN_STEPS, hold_after=len(answer_tokens())):
+        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
 def test_chat_answered(snap_compare):
     clock = FrozenClock()
     app = console(clock)
-    app.client = ScriptedChat(answer_chunks("Layers **0-14** run here; **15-29** on the worker.")
-                              + [ChatChunk(finish_reason="stop", stats=FINAL_STATS)], clock)
 
     async def run_before(pilot: Pilot) -> None:
         await ready(pilot)
@@ -307,7 +331,8 @@ def test_chat_answered(snap_compare):
         await pilot.press("enter")
         await settle(pilot, until=lambda: bool(app.state.generations) and app.state.generations[-1].finished)
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    with answering(app, clock, "Layers **0-14** run here; **15-29** on the worker.", stats=FINAL_STATS):
+        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
 def test_chat_sampling_settings(snap_compare):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.api import RouteInfo
+from daemon.api import GenerationStats, RouteInfo
 from meshtui.state import GenerationRecord, MeshState, NodeState, layer_coverage, layer_runs, short_reason
 from tests.tui_data import HEAD, NOW, REPLICA, WORKER, failover_route, node_status, session, session_list
 
@@ -107,7 +107,7 @@ def test_route_events_come_newest_first_in_a_few_words():
     assert len(mesh.recent_route_events(limit=2)) == 2
     mesh.record_route(None, "timed out")
     assert mesh.recent_route_events() == []  # the head stopped answering: its events are stale
-    mesh.record_route(RouteInfo(events=[{"kind": "failover"}]), None)  # sparse events still read
+    mesh.record_route(RouteInfo.from_dict({"events": [{"kind": "failover"}]}), None)  # sparse events still read
     assert mesh.recent_route_events()[0].reason == ""
 
 
@@ -128,7 +128,7 @@ def test_answer_rates_and_the_conversation():
         record.add_text(f"t{i} ", NOW + at)
     assert record.rates(window=2) == pytest.approx([10.0, 10.0, 2 / 0.3], rel=1e-4)
     assert record.tokens == 4 and record.tokens_per_second == pytest.approx(7.5, rel=1e-4)
-    record.stats = {"completion_tokens": 5, "decode_tokens_per_second": 9.5}
+    record.stats = GenerationStats(completion_tokens=5, decode_seconds=4 / 9.5)  # 4 steps after the first token
     assert record.tokens == 5 and record.tokens_per_second == 9.5
 
     mesh = MeshState()

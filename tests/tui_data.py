@@ -1,23 +1,37 @@
 """Stand-ins for the console's tests: fixed daemon answers (the shapes of ``daemon.api`` with fixed values and
-times), a frozen clock, a scripted chat stream, a local mesh that never finishes loading, and a stub daemon
-(which can require the mesh token, as meshd with MESHNET_TOKEN does)."""
+times), a frozen clock, a local mesh that never finishes loading, and a fake node served by meshd's real
+aiohttp application (its real handlers, middlewares and mesh token), so the console talks to the real HTTP
+surface without a model."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
 from daemon.api import (
+    GenerationStats,
+    Hop,
     ModelSummary,
+    NodeMeasurement,
     NodeStatus,
     PeerSummary,
+    RouteEvent,
     RouteHopInfo,
     RouteInfo,
     SessionInfo,
     SessionList,
+    StoreStats,
 )
+from daemon.errors import BadRequest
+from daemon.mesh.generation import TokenEvent
+from daemon.mesh.head import ChatRequest, Generation
+from daemon.metrics import Metrics
+from daemon.server.app import create_app
 
 NOW = 1_750_000_000.0  # the frozen clock of every console test
 HEAD = "http://127.0.0.1:7070"
@@ -40,12 +54,12 @@ class FrozenClock:
         self.now += seconds
 
 
-def store(sessions: int, nbytes: int, *, hits: int = 0, misses: int = 0, evictions: dict | None = None) -> dict:
-    return {
-        "sessions": sessions, "bytes": nbytes, "max_sessions": 8, "max_bytes": None, "ttl_seconds": 600.0,
-        "hits": hits, "misses": misses, "misses_by_reason": {"unknown_session": misses},
-        "evictions": {"ttl": 0, "lru": 0, "bytes": 0, "dropped": 0} | (evictions or {}),
-    }
+def store(sessions: int, nbytes: int, *, hits: int = 0, misses: int = 0, evictions: dict | None = None) -> StoreStats:
+    return StoreStats(
+        sessions=sessions, bytes=nbytes, max_sessions=8, max_bytes=None, ttl_seconds=600.0,
+        hits=hits, misses=misses, misses_by_reason={"unknown_session": misses},
+        evictions={"ttl": 0, "lru": 0, "bytes": 0, "dropped": 0} | (evictions or {}),
+    )
 
 
 def node_status(url: str, start: int, end: int, *, peers: list[str] = (), time: float = NOW,
@@ -93,25 +107,25 @@ def failover_route() -> RouteInfo:
     with an earlier reroute and a failure to find a route that a restart then cured."""
     hops = [RouteHopInfo(HEAD, 0, 15, True, True, 1.9, overhead_ms=0.2, compute_ms=1.7, samples=212),
             RouteHopInfo(WORKER, 15, 30, True, False, 7.1, overhead_ms=1.4, compute_ms=5.7, samples=40)]
-    local_hop = {"url": HEAD, "start_layer": 0, "end_layer": 15, "kv_cache": True, "local": True}
-    worker_hop = {"url": WORKER, "start_layer": 15, "end_layer": 30, "kv_cache": True, "local": False}
-    replica_hop = worker_hop | {"url": REPLICA}
+    local_hop = Hop(HEAD, 0, 15, kv_cache=True, local=True)
+    worker_hop = Hop(WORKER, 15, 30, kv_cache=True, local=False)
+    replica_hop = Hop(REPLICA, 15, 30, kv_cache=True, local=False)
     events = [
-        {"time": NOW - 700, "kind": "no_route", "session_id": "9e0d", "failed": WORKER, "position": 12,
-         "reason": "no live node serves layers 15-29 of 0-29; start a node with --layers covering them or add it "
-                   "with --peer", "route": []},
-        {"time": NOW - 310, "kind": "reroute", "session_id": "77ab", "failed": None, "position": 131,
-         "reason": "expected 14.9 ms per step on the old route", "route": [local_hop, replica_hop]},
-        {"time": NOW - 29, "kind": "failover", "session_id": "5d1e", "failed": REPLICA, "position": 45,
-         "reason": f"{REPLICA} is unreachable: ClientConnectorError: Cannot connect to host 127.0.0.1:7072 "
-                   "ssl:default [Connect call failed ('127.0.0.1', 7072)]", "route": [local_hop, worker_hop]},
+        RouteEvent(time=NOW - 700, kind="no_route", session_id="9e0d", failed=WORKER, position=12,
+                   reason="no live node serves layers 15-29 of 0-29; start a node with --layers covering them or "
+                          "add it with --peer"),
+        RouteEvent(time=NOW - 310, kind="reroute", session_id="77ab", failed=None, position=131,
+                   reason="expected 14.9 ms per step on the old route", route=[local_hop, replica_hop]),
+        RouteEvent(time=NOW - 29, kind="failover", session_id="5d1e", failed=REPLICA, position=45,
+                   reason=f"{REPLICA} is unreachable: ClientConnectorError: Cannot connect to host 127.0.0.1:7072 "
+                          "ssl:default [Connect call failed ('127.0.0.1', 7072)]", route=[local_hop, worker_hop]),
     ]
-    nodes = {HEAD: {"local": True, "latency_ms": 1.9, "overhead_ms": 0.2, "layer_ms": 0.11, "samples": 212,
-                    "failures": 0, "age_seconds": 0.4},
-             WORKER: {"local": False, "latency_ms": 7.1, "overhead_ms": 1.4, "layer_ms": 0.38, "samples": 40,
-                      "failures": 1, "age_seconds": 0.4},
-             REPLICA: {"local": False, "latency_ms": None, "overhead_ms": None, "layer_ms": None, "samples": 171,
-                       "failures": 1, "age_seconds": None}}
+    nodes = {HEAD: NodeMeasurement(local=True, latency_ms=1.9, overhead_ms=0.2, layer_ms=0.11, samples=212,
+                                   failures=0, age_seconds=0.4),
+             WORKER: NodeMeasurement(local=False, latency_ms=7.1, overhead_ms=1.4, layer_ms=0.38, samples=40,
+                                     failures=1, age_seconds=0.4),
+             REPLICA: NodeMeasurement(local=False, latency_ms=None, overhead_ms=None, layer_ms=None, samples=171,
+                                      failures=1, age_seconds=None)}
     return RouteInfo(hops=hops, planned_at=NOW - 29, nodes=nodes, events=events, failovers=2, reroutes=1)
 
 
@@ -122,30 +136,6 @@ HEAD_SESSIONS = [
 WORKER_SESSIONS = [
     session("5d1e0c9a7b3f2e4d6c8a0b1c", 48, 15, idle=3, ttl_left=597),
 ]
-
-
-class ScriptedChat:
-    """Stands in for the console's DaemonClient in the chat: streams the given chunks ``steps`` seconds
-    of the frozen clock apart (cycling), then holds the stream open until :attr:`release` is set."""
-
-    def __init__(self, chunks, clock: FrozenClock, *, steps=(0.1,), hold: bool = False) -> None:
-        self.chunks = list(chunks)
-        self.clock = clock
-        self.steps = steps
-        self.release = asyncio.Event()
-        if not hold:
-            self.release.set()
-        self.requests: list[tuple[str, list[dict], dict]] = []
-
-    async def chat_stream(self, url: str, messages: list[dict], **params):
-        self.requests.append((url, messages, params))
-        for i, chunk in enumerate(self.chunks):
-            self.clock.advance(self.steps[i % len(self.steps)])
-            yield chunk
-        await self.release.wait()
-
-    async def close(self) -> None:
-        pass
 
 
 class StartingMesh:
@@ -167,114 +157,207 @@ class StartingMesh:
         self.stopped += 1
 
 
-class StubDaemon:
-    """A stand-in meshd: fixed answers for the console's endpoints, and a record of what it was asked."""
+# ---- a fake node behind meshd's real application ------------------------------------------------
+
+
+class ScriptedHead:
+    """A head whose every generation streams the same scripted answer (``daemon.server.backend.ChatHead``).
+
+    ``hold_after``: stop after that many tokens until :attr:`release` is set (it notices a client that left).
+    ``pace(i)``, if given, is awaited once ``i`` tokens went out, before the next chunk; ``clock`` and ``steps``
+    move a frozen clock before each chunk of the stream (the opening one, every token, the closing one), cycling
+    through ``steps``.
+    """
+
+    model_name = MODEL.name
+    max_tokens_cap = 4096
+
+    def __init__(self, answer: list[str], *, hold_after: int | None = None, stats: dict | None = None,
+                 clock: FrozenClock | None = None, steps: tuple[float, ...] = (0.1,),
+                 pace: Callable[[int], Awaitable[None]] | None = None) -> None:
+        self.answer = list(answer)
+        self.hold_after = hold_after
+        stats = dict(stats or {})
+        self.rate = stats.pop("decode_tokens_per_second", 42.0)
+        self.stats = {"prefill_ms": 12.0, "first_token_ms": 15.0} | stats  # set on the stats once all is sent
+        self.clock, self.steps, self.pace = clock, steps, pace
+        self.release = asyncio.Event()
+        self.client_left = asyncio.Event()  # a held stream noticed the console closing it
+        self.requests: list[ChatRequest] = []
+
+    @contextlib.asynccontextmanager
+    async def generate(self, request: ChatRequest) -> AsyncIterator[Generation]:
+        self.requests.append(request)
+        stats = GenerationStats(session_id="5d1e0c9a7b3f2e4d6c8a0b1c", prompt_tokens=31)
+        events = self._events(stats)
+        async with contextlib.aclosing(events):
+            yield Generation(stats, events, model=self.model_name)
+
+    async def _events(self, stats: GenerationStats) -> AsyncIterator[TokenEvent]:
+        self._tick(0)  # the opening chunk
+        try:
+            for i, text in enumerate(self.answer):
+                await self._next_chunk(i)
+                stats.completion_tokens = i + 1
+                yield TokenEvent(i, text)
+            await self._next_chunk(len(self.answer))  # the closing chunk
+        except (GeneratorExit, asyncio.CancelledError):
+            self.client_left.set()
+            raise
+        for name, value in self.stats.items():
+            setattr(stats, name, value)
+        stats.decode_seconds = max(stats.completion_tokens - 1, 0) / self.rate
+        stats.finish_reason = stats.finish_reason or "stop"
+
+    async def _next_chunk(self, tokens_sent: int) -> None:
+        """Hold (if asked to here), wait for the console's pace, then move the clock for the next chunk."""
+        if tokens_sent == self.hold_after:
+            await self.release.wait()
+        if self.pace is not None:
+            await self.pace(tokens_sent)
+        self._tick(tokens_sent + 1)
+
+    def _tick(self, chunk: int) -> None:
+        if self.clock is not None:
+            self.clock.advance(self.steps[chunk % len(self.steps)])
+
+
+class NoLayers:
+    """``/forward`` on a fake node: it hosts layer ranges for the console but runs none."""
+
+    hidden_size = MODEL.hidden_size
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+    async def forward(self, request):
+        raise BadRequest("this fake node runs no layers")
+
+
+class FakeNode:
+    """Fixed answers for the console's endpoints (``daemon.server.backend.NodeBackend``), and a record of
+    what it was asked to change."""
+
+    def __init__(self, start: int, end: int, *, peers: list[str] = (), sessions=(), head: ScriptedHead) -> None:
+        self.url = ""  # known once served
+        self.service = NoLayers(start, end)
+        self.head = head
+        self.peers = list(peers)
+        self.session_infos = list(sessions)
+        self.metrics = Metrics(lambda: session_list(self.session_infos).store)
+        self.draining = False
+        self.deleted: list[str] = []
+        self.peer_requests: list[tuple[str, str]] = []
+
+    def status(self) -> NodeStatus:
+        return node_status(self.url, self.service.start, self.service.end, peers=self.peers,
+                           sessions=len(self.session_infos))
+
+    def sessions(self) -> SessionList:
+        return session_list(self.session_infos)
+
+    def drop_session(self, session_id: str) -> bool:
+        self.deleted.append(session_id)
+        before = len(self.session_infos)
+        self.session_infos = [s for s in self.session_infos if s.session_id != session_id]
+        return len(self.session_infos) < before
+
+    def route(self, *, refresh: bool) -> RouteInfo:
+        return RouteInfo(hops=[RouteHopInfo(self.url, self.service.start, self.service.end, True, True, 1.0)])
+
+    async def add_peer(self, url: str) -> list[PeerSummary]:
+        self.peer_requests.append(("add", url))
+        self.peers.append(url)
+        return [PeerSummary(p, True) for p in self.peers]
+
+    def remove_peer(self, url: str) -> bool:
+        self.peer_requests.append(("remove", url))
+        if url not in self.peers:
+            return False
+        self.peers.remove(url)
+        return True
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        yield
+
+
+class FakeDaemon:
+    """A :class:`FakeNode` served by meshd's own ``create_app`` on 127.0.0.1 (with the mesh token when given),
+    recording the Authorization header of every request and the body of every chat request it accepted."""
 
     def __init__(self, start: int, end: int, *, peers: list[str] = (), sessions=(),
                  answer: list[str] = ("Hello", " from", " the", " **mesh**."), hold_after: int | None = None,
-                 token: str | None = None, stats: dict | None = None) -> None:
-        self.start_layer, self.end_layer = start, end
-        self.token = token  # when set, every path but /health needs "Authorization: Bearer <token>"
+                 token: str | None = None, stats: dict | None = None, **pacing) -> None:
+        self.head = ScriptedHead(list(answer), hold_after=hold_after, stats=stats, **pacing)
+        self.node = FakeNode(start, end, peers=peers, sessions=sessions, head=self.head)
+        self.token = token
         self.authorizations: list[tuple[str, str | None]] = []  # (path, Authorization header) of each request
-        self.stats = stats or {}  # added to the final chunk's meshnet object
-        self.peers = list(peers)
-        self.sessions = list(sessions)
-        self.answer = list(answer)
-        self.hold_after = hold_after  # stop streaming after this many tokens until `release` is set
-        self.release = asyncio.Event()
-        self.client_left = asyncio.Event()  # a held stream noticed the console closing it
-        self.port: int | None = None
-        self.deleted: list[str] = []
-        self.peer_requests: list[tuple[str, str]] = []
         self.chat_requests: list[dict] = []
+        self.port: int | None = None
         self._runner: web.AppRunner | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def deleted(self) -> list[str]:
+        return self.node.deleted
+
+    @property
+    def peer_requests(self) -> list[tuple[str, str]]:
+        return self.node.peer_requests
+
+    @property
+    def release(self) -> asyncio.Event:
+        return self.head.release
+
+    @property
+    def client_left(self) -> asyncio.Event:
+        return self.head.client_left
+
     async def start(self) -> None:
         """Listen (again) on 127.0.0.1; a restart keeps the port, as a restarted daemon would."""
-        app = web.Application(middlewares=[self._check_token])
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/status", self._status)
-        app.router.add_get("/v1/sessions", self._sessions)
-        app.router.add_delete("/v1/sessions/{session_id}", self._drop)
-        app.router.add_get("/v1/route", self._route)
-        app.router.add_post("/v1/peers", self._add_peer)
-        app.router.add_delete("/v1/peers", self._remove_peer)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
+        app = create_app(self.node, token=self.token)
+        app.middlewares.insert(0, self._record_authorization)  # outermost: refused requests count too
+        app.middlewares.append(self._record_chat)  # innermost: only what the real middlewares let through
+        # a held stream sends nothing, so only a cancelled handler tells it that the console left
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5, handler_cancellation=True)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port or 0).start()
         self.port = self._runner.addresses[0][1]
+        self.node.url = self.url
 
     async def stop(self) -> None:
         if self._runner is not None:
-            self.release.set()
+            self.head.release.set()
             await self._runner.cleanup()
             self._runner = None
 
     @web.middleware
-    async def _check_token(self, request: web.Request, handler):
-        given = request.headers.get("Authorization")
-        self.authorizations.append((request.path, given))
-        if self.token and request.path != "/health" and given != f"Bearer {self.token}":
-            return web.json_response({"error": {"message": "this mesh needs its token: send 'Authorization: "
-                                                           "Bearer <token>'", "type": "invalid_request_error",
-                                                "param": None, "code": "invalid_api_key"}}, status=401)
+    async def _record_authorization(self, request: web.Request, handler):
+        self.authorizations.append((request.path, request.headers.get("Authorization")))
         return await handler(request)
 
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+    @web.middleware
+    async def _record_chat(self, request: web.Request, handler):
+        if request.path == "/v1/chat/completions":
+            self.chat_requests.append(json.loads(await request.read()))
+        return await handler(request)
 
-    async def _status(self, request: web.Request) -> web.Response:
-        status = node_status(self.url, self.start_layer, self.end_layer, peers=self.peers, sessions=len(self.sessions))
-        return web.json_response(status.to_dict())
 
-    async def _sessions(self, request: web.Request) -> web.Response:
-        return web.json_response(session_list(self.sessions).to_dict())
-
-    async def _drop(self, request: web.Request) -> web.Response:
-        session_id = request.match_info["session_id"]
-        self.deleted.append(session_id)
-        self.sessions = [s for s in self.sessions if s.session_id != session_id]
-        return web.json_response({"dropped": session_id})
-
-    async def _route(self, request: web.Request) -> web.Response:
-        return web.json_response({"hops": [{"url": self.url, "start_layer": self.start_layer,
-                                            "end_layer": self.end_layer, "kv_cache": True, "local": True,
-                                            "latency_ms": 1.0}]})
-
-    async def _add_peer(self, request: web.Request) -> web.Response:
-        url = (await request.json())["url"]
-        self.peer_requests.append(("add", url))
-        return web.json_response({"peers": []})
-
-    async def _remove_peer(self, request: web.Request) -> web.Response:
-        self.peer_requests.append(("remove", request.query["url"]))
-        return web.json_response({"removed": request.query["url"]})
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        self.chat_requests.append(await request.json())
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-
-        async def send(payload: dict) -> None:
-            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
-
-        await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-        for i, token in enumerate(self.answer):
-            if i == self.hold_after:
-                while not self.release.is_set():
-                    if request.transport is None or request.transport.is_closing():
-                        self.client_left.set()
-                        return response
-                    await asyncio.sleep(0.02)
-            await send({"choices": [{"index": 0, "delta": {"content": token}, "finish_reason": None}]})
-        stats = {"completion_tokens": len(self.answer), "cache_misses": 0, "reprefills": 0, "prefill_ms": 12.0,
-                 "first_token_ms": 15.0, "decode_tokens_per_second": 42.0} | self.stats
-        await send({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "meshnet": stats})
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+@contextlib.contextmanager
+def served_in_thread(daemon: FakeDaemon):
+    """Serve ``daemon`` from an event loop of its own on another thread (for tests whose app runs the main loop)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fake daemon", daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(daemon.start(), loop).result(10)
+        yield daemon
+    finally:
+        asyncio.run_coroutine_threadsafe(daemon.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()

@@ -24,9 +24,9 @@ from typing import Protocol
 import aiohttp
 
 from daemon import wire
+from daemon.api import GenerationStats, Hop, Sampling
 from daemon.errors import BadRequest, CacheMiss, HopFailed, UpstreamError
 from daemon.logs import REQUEST_ID_HEADER, request_id
-from daemon.mesh.routing import Hop
 from daemon.mesh.text import TextStream
 from daemon.mesh.transport import HopTransport, TransportError
 
@@ -69,7 +69,7 @@ class HeadBackend(Protocol):
     async def embed(self, token_ids: list[int]) -> wire.Activation: ...
 
     async def local_step(self, activation: wire.Activation | None, *, mode: str | None, session_id: str,
-                         past_len: int, start_layer: int, hop_index: int, sampling: dict,
+                         past_len: int, start_layer: int, hop_index: int, sampling: Sampling | None,
                          token_ids: list[int] | None = None) -> HopReply:
         """Run the head's own layers; with ``token_ids`` (a first hop) embed them in the same step."""
 
@@ -84,59 +84,9 @@ class HeadBackend(Protocol):
 class GenerationRequest:
     prompt_ids: list[int]
     max_tokens: int
-    sampling: dict  # temperature, top_p, top_k, seed: sent to the tail
+    sampling: Sampling  # sent to the tail
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, golden tests)
-
-
-@dataclass
-class GenerationStats:
-    """What one generation cost, for the response's usage and the console."""
-
-    session_id: str
-    prompt_tokens: int
-    completion_tokens: int = 0
-    prefills: int = 0
-    reprefills: int = 0
-    cache_misses: int = 0
-    failovers: int = 0
-    reroutes: int = 0
-    stateless_steps: int = 0
-    prefill_ms: float | None = None
-    first_token_ms: float | None = None
-    decode_seconds: float = 0.0
-    finish_reason: str | None = None
-    route: list[dict] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    step_ms: list[float] = field(default_factory=list)  # wall time of each token after the first
-    decode_hops: dict[str, dict] = field(default_factory=dict)  # per node: sums over the steps after the first token
-
-    @property
-    def decode_tokens_per_second(self) -> float | None:
-        steps = self.completion_tokens - 1
-        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else None
-
-    def record_hop(self, hop: Hop, total_ms: float, reply: HopReply) -> None:
-        """Add one hop of one decode step: its latency, the node's compute, the bytes both ways."""
-        sums = self.decode_hops.get(hop.url)
-        if sums is None:
-            sums = self.decode_hops[hop.url] = {
-                "url": hop.url, "local": hop.local, "steps": 0, "latency_ms": 0.0, "compute_ms": 0.0,
-                "payload_bytes": 0, "sent_bytes": 0, "received_bytes": 0,
-            }
-        sums["steps"] += 1
-        sums["latency_ms"] += total_ms
-        sums["compute_ms"] += reply.compute_ms or 0.0
-        sums["payload_bytes"] += reply.payload_bytes
-        sums["sent_bytes"] += reply.sent_bytes
-        sums["received_bytes"] += reply.received_bytes
-
-    def to_dict(self) -> dict:
-        return {k: v for k, v in vars(self).items()} | {
-            "decode_tokens_per_second": self.decode_tokens_per_second,
-            "step_ms": [round(ms, 3) for ms in self.step_ms],
-            "decode_hops": list(self.decode_hops.values()),
-        }
 
 
 @dataclass
@@ -244,7 +194,7 @@ async def run_step(
     mode: str | None,
     session_id: str,
     past_len: int,
-    sampling: dict,
+    sampling: Sampling,
     on_hop: Callable[[Hop, float, HopReply], None] | None = None,
 ) -> HopReply:
     """Embed ``token_ids`` and pass the step along ``route``; the last hop answers with a token.
@@ -256,7 +206,7 @@ async def run_step(
     for index, hop in enumerate(route):
         if index and reply.activation is None:
             raise UpstreamError(f"hop {index - 1} ({route[index - 1].url}) answered a token before the last layer")
-        tail_sampling = sampling if index == len(route) - 1 else {}
+        tail_sampling = sampling if index == len(route) - 1 else None
         started = time.perf_counter()
         if hop.local:
             reply = await backend.local_step(
@@ -267,7 +217,8 @@ async def run_step(
         else:
             headers = wire.forward_headers(
                 reply.activation, mode=mode, session_id=session_id, past_len=past_len,
-                start_layer=hop.start_layer, hop_index=index, sampling=tail_sampling,
+                start_layer=hop.start_layer, hop_index=index,
+                sampling=tail_sampling.to_dict() if tail_sampling else None,
             )
             reply = await client.step(hop, reply.activation, headers)
         if on_hop is not None:
@@ -297,7 +248,7 @@ async def generate(
         raise BadRequest("the prompt is empty", param="messages")
     session_id = stats.session_id if stats else uuid.uuid4().hex
     stats = stats or GenerationStats(session_id=session_id, prompt_tokens=len(request.prompt_ids))
-    stats.route = [hop.to_dict() for hop in route]
+    stats.route = list(route)
     cached = all(hop.kv_cache for hop in route)
     ids = list(request.prompt_ids)
     generated: list[int] = []
@@ -313,7 +264,13 @@ async def generate(
     def observe(hop: Hop, total_ms: float, reply: HopReply) -> None:
         router.observe(hop, mode=mode, total_ms=total_ms, compute_ms=reply.compute_ms)
         if generated:  # a step after the first token: what each further token costs on each hop
-            stats.record_hop(hop, total_ms, reply)
+            totals = stats.hop_totals(hop)
+            totals.steps += 1
+            totals.latency_ms += total_ms
+            totals.compute_ms += reply.compute_ms or 0.0
+            totals.payload_bytes += reply.payload_bytes
+            totals.sent_bytes += reply.sent_bytes
+            totals.received_bytes += reply.received_bytes
 
     def move_to(new_route: list[Hop]) -> None:
         """Continue on ``new_route``: one prefill of everything so far there, under the same session id."""
@@ -323,7 +280,7 @@ async def generate(
             if hop.url not in kept and not hop.local:
                 client.release(hop.url, session_id)
         route, cached = new_route, all(hop.kv_cache for hop in new_route)
-        stats.route = [hop.to_dict() for hop in route]
+        stats.route = list(route)
         if mode == "decode":
             stats.reprefills += 1
         mode = "prefill" if cached else None

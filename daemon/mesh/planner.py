@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from daemon.api import NodeMeasurement, RouteEvent, RouteHopInfo, RouteInfo
 from daemon.errors import RouteUnavailable
 from daemon.mesh.peers import PeerDirectory
 from daemon.mesh.routing import Candidate, Hop, plan_route, route_cost
@@ -55,17 +56,12 @@ class NodeLatency:
     failures: int = 0
     updated: float | None = None  # monotonic clock
 
-    def to_dict(self, now: float) -> dict:
-        return {
-            "local": self.local,
-            "latency_ms": self.latency_ms,
-            "overhead_ms": self.overhead_ms,
-            "layer_ms": self.layer_ms,
-            "last_ms": self.last_ms,
-            "samples": self.samples,
-            "failures": self.failures,
-            "age_seconds": None if self.updated is None else round(now - self.updated, 3),
-        }
+    def measurement(self, now: float) -> NodeMeasurement:
+        return NodeMeasurement(
+            local=self.local, latency_ms=self.latency_ms, overhead_ms=self.overhead_ms, layer_ms=self.layer_ms,
+            last_ms=self.last_ms, samples=self.samples, failures=self.failures,
+            age_seconds=None if self.updated is None else round(now - self.updated, 3),
+        )
 
 
 def _ema(previous: float | None, sample: float) -> float:
@@ -121,9 +117,9 @@ class LatencyModel:
         """Whether every node of ``route`` has a fresh measurement (nodes in ``besides`` need none)."""
         return all(h.url in besides or self.fresh(h.url) is not None for h in route)
 
-    def snapshot(self) -> dict[str, dict]:
+    def snapshot(self) -> dict[str, NodeMeasurement]:
         now = self._clock()
-        return {url: n.to_dict(now) for url, n in self.nodes.items()}
+        return {url: n.measurement(now) for url, n in self.nodes.items()}
 
 
 class RoutePlanner:
@@ -142,7 +138,7 @@ class RoutePlanner:
         self.latency = LatencyModel(clock=clock)
         self._rng = rng or random.Random()
         self._clock = clock
-        self.events: deque[dict] = deque(maxlen=EVENTS_KEPT)
+        self.events: deque[RouteEvent] = deque(maxlen=EVENTS_KEPT)
         self.failovers = 0
         self.reroutes = 0
         self.route: list[Hop] = []  # the route most recently planned, for /v1/route
@@ -238,12 +234,18 @@ class RoutePlanner:
 
     def _event(self, kind: str, session_id: str, *, reason: str, position: int, failed: str | None = None,
                route: list[Hop] | None = None) -> None:
-        self.events.append({
-            "time": time.time(),
-            "kind": kind,
-            "session_id": session_id,
-            "failed": failed,
-            "reason": reason,
-            "position": position,
-            "route": [h.to_dict() for h in route] if route else [],
-        })
+        self.events.append(RouteEvent(time=time.time(), kind=kind, session_id=session_id, reason=reason,
+                                      position=position, failed=failed, route=list(route or [])))
+
+    def info(self) -> RouteInfo:
+        """The current route with each hop's measurements, every measured node, and the recent route changes."""
+        latency = self.latency.snapshot()
+        hops = []
+        for h in self.route:
+            m = latency.get(h.url) or NodeMeasurement()
+            hops.append(RouteHopInfo(
+                h.url, h.start_layer, h.end_layer, h.kv_cache, h.local, m.latency_ms, overhead_ms=m.overhead_ms,
+                compute_ms=m.layer_ms * h.layers if m.layer_ms is not None else None, samples=m.samples,
+            ))
+        return RouteInfo(hops=hops, error=self.error, planned_at=self.planned_at, nodes=latency,
+                         events=list(self.events), failovers=self.failovers, reroutes=self.reroutes)

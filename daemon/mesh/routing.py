@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from daemon.api import Hop
 from daemon.errors import RouteUnavailable
 
 
@@ -25,30 +26,6 @@ class Candidate:
     kv_cache: bool = True
     local: bool = False
     busy: float = 0.0  # the share of recent time the node spent computing, 0..1, as it reports
-
-
-@dataclass(frozen=True)
-class Hop:
-    """One node on a route and the layers ``[start_layer, end_layer)`` it runs there."""
-
-    url: str
-    start_layer: int
-    end_layer: int
-    kv_cache: bool = True
-    local: bool = False
-
-    @property
-    def layers(self) -> int:
-        return self.end_layer - self.start_layer
-
-    def to_dict(self) -> dict:
-        return {
-            "url": self.url,
-            "start_layer": self.start_layer,
-            "end_layer": self.end_layer,
-            "kv_cache": self.kv_cache,
-            "local": self.local,
-        }
 
 
 # expected milliseconds of one decode step of a hop running `layers` layers on a candidate

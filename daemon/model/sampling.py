@@ -8,32 +8,13 @@ or a re-route reproduces exactly the tokens an uninterrupted run would have.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
+from daemon.api import Sampling
 from daemon.errors import BadRequest
 
 _MASK64 = (1 << 63) - 1
-# below this, logits / temperature overflows: such a temperature means greedy
-MIN_TEMPERATURE = 1e-5
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the tail picks a token. ``temperature == 0`` means greedy."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
-
-    def to_dict(self) -> dict:
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
 
 
 def position_generator(seed: int, position: int) -> torch.Generator:
@@ -44,7 +25,7 @@ def position_generator(seed: int, position: int) -> torch.Generator:
     return torch.Generator().manual_seed(x & _MASK64)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+def sample_token(logits: torch.Tensor, params: Sampling, position: int) -> int:
     """Pick the token at absolute ``position`` from ``logits`` of shape ``[vocab]``.
 
     Non-finite logits come from non-finite activations a caller sent: a 400, not a crash in the sampler.

@@ -12,7 +12,6 @@ weight conversion, so checkpoints whose layout differs from the module layout
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import re
 import threading
@@ -21,9 +20,11 @@ from pathlib import Path
 
 import torch
 
+from daemon.api import Sampling
 from daemon.errors import BadRequest, CacheMiss, ModelUnavailable
 from daemon.kvstore import SessionCacheStore
-from daemon.model.sampling import SamplingParams, sample_token
+from daemon.model.sampling import sample_token
+from daemon.model.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,6 @@ class ModelShard:
         self.folder = Path(folder)
         self.config = AutoConfig.from_pretrained(self.folder)
         self.info = read_model_info(self.folder, self.config)
-        gen_path = self.folder / "generation_config.json"
-        self._generation = json.loads(gen_path.read_text()) if gen_path.exists() else {}
         n = self.info.num_layers
         if not (0 <= start < end <= n):
             raise ModelUnavailable(
@@ -126,11 +125,10 @@ class ModelShard:
         self._rotary_per_type = "layer_type" in rotary_params
         self._load_tensors(self._wanted_parts(head=head))
         self._layers = tuple(self.model.model.layers)  # indexing a tuple, not a ModuleList, in the step loop
-        self.tokenizer = self._load_tokenizer() if (head or self.is_tail) else None
-        self.eos_token_ids = self._eos_token_ids()
+        # the head turns chats into ids, the tail names its token
+        self.tokenizer = ChatTokenizer.load(self.folder, self.config) if (head or self.is_tail) else None
         self._stats_store = sessions  # misses of a stateless node still show in its statistics
         self.sessions = sessions if kv_cache else None
-        self.kv_cache_enabled = kv_cache
         self.supports_kv_cache = self._probe_kv_cache() if kv_cache else False
         if kv_cache and not self.supports_kv_cache:
             log.warning("layers of %s reject the cache arguments; this node runs stateless", self.info.model_type)
@@ -231,42 +229,13 @@ class ModelShard:
             if on_meta:
                 raise ModelUnavailable(f"the checkpoint in {self.folder} lacks weights of {what}: {on_meta[:4]}")
 
-    def _load_tokenizer(self):
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(self.folder)
-        except Exception as exc:  # noqa: BLE001 - any tokenizer failure means the same thing to the user
-            raise ModelUnavailable(f"cannot load the tokenizer from {self.folder}: {exc}") from None
-
-    def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        candidates = [getattr(self.config, "eos_token_id", None), self._generation.get("eos_token_id")]
-        if self.tokenizer is not None:
-            candidates.append(self.tokenizer.eos_token_id)
-        for c in candidates:
-            ids.update(c if isinstance(c, list) else [c] if c is not None else [])
-        return ids
-
-    def default_sampling(self) -> dict:
-        """Sampling when a request names none: the model's generation config, else greedy."""
-        gen = self._generation
-        if not gen.get("do_sample"):
-            return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
-        return {
-            "temperature": float(gen.get("temperature", 1.0)),
-            "top_p": float(gen.get("top_p", 1.0)),
-            "top_k": int(gen.get("top_k", 0) or 0),
-        }
-
     def ensure_head(self) -> None:
         """Load the embeddings and tokenizer on first use as head (a no-op once loaded)."""
         with self._head_lock:
             if self.model.model.embed_tokens.weight.device.type == "meta":
                 self._load_tensors({"embed"})
             if self.tokenizer is None:
-                self.tokenizer = self._load_tokenizer()
-                self.eos_token_ids = self._eos_token_ids()
+                self.tokenizer = ChatTokenizer.load(self.folder, self.config)
 
     @property
     def is_head_loaded(self) -> bool:
@@ -373,7 +342,7 @@ class ModelShard:
         session_id: str | None,
         past_len: int,
         start_layer: int,
-        sampling: SamplingParams,
+        sampling: Sampling,
     ) -> StepResult:
         """One /forward step: ``mode`` is ``"prefill"``, ``"decode"`` or ``None`` (stateless)."""
         if not (self.start <= start_layer < self.end):
@@ -400,7 +369,7 @@ class ModelShard:
             result = StepResult(hidden=out)
             if self.is_tail:
                 token_id = sample_token(self.logits_last(out), sampling, position=new_len)
-                result = StepResult(token_id=token_id, text=self.tokenizer.decode([token_id]))
+                result = StepResult(token_id=token_id, text=self.tokenizer.token_text(token_id))
         except BaseException:
             if mode == "decode":  # the cache may hold part of this step now: a later decode must miss
                 self.sessions.drop(session_id)

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import aiohttp
 from aiohttp import web
 
-from daemon.mesh.transport import HopTransport
-from daemon.node import Node
+from daemon.server.backend import NodeBackend
 
-NODE = web.AppKey("node", Node)
-CLIENT = web.AppKey("client", aiohttp.ClientSession)
-HOPS = web.AppKey("hops", HopTransport)  # the /forward hops: see daemon.mesh.transport
+NODE = web.AppKey("node", NodeBackend)

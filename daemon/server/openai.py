@@ -1,26 +1,25 @@
-"""OpenAI-compatible ``POST /v1/chat/completions`` and ``GET /v1/models``.
+"""OpenAI-compatible ``POST /v1/chat/completions`` and ``GET /v1/models``: OpenAI's JSON in, the head's
+API (``daemon.mesh.head``), OpenAI's JSON out.
 
-Sampling defaults follow the model's generation config (greedy for the built-in
-model) rather than OpenAI's temperature 1.0; a request without a seed gets a
-random one, so a re-prefill mid-generation still reproduces its tokens.
+Sampling a request leaves unnamed follows the model's generation config (greedy for the built-in
+model) rather than OpenAI's temperature 1.0; a request without a seed gets a random one from the
+head, so a re-prefill mid-generation still reproduces its tokens.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import secrets
-import time
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from daemon.errors import BadRequest, MeshError, TooManyGenerations
+from daemon.api import GenerationStats
+from daemon.errors import BadRequest, MeshError
 from daemon.logs import REQUEST_ID_HEADER, request_id
-from daemon.mesh.generation import GenerationRequest, GenerationStats, HopClient, generate
+from daemon.mesh.head import ChatRequest, Generation
 from daemon.server.errors import error_body, read_json
-from daemon.server.keys import CLIENT, HOPS, NODE
+from daemon.server.keys import NODE
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +27,11 @@ _ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 @dataclass
-class ChatRequest:
-    messages: list[dict]
-    max_tokens: int
-    sampling: dict
-    stop: list[str]
-    stream: bool
-    include_usage: bool
-    ignore_eos: bool = False
+class StreamOptions:
+    """How the answer travels: at once, or as server-sent events (with a last usage event)."""
+
+    stream: bool = False
+    include_usage: bool = False
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default):
@@ -69,7 +65,7 @@ def _content_text(content, index: int) -> str:
     raise BadRequest(f"messages[{index}].content must be a string or a list of text parts", param="messages")
 
 
-def parse_chat_request(body, *, default_max_tokens: int, max_tokens_cap: int, default_sampling: dict) -> ChatRequest:
+def parse_chat_request(body, *, max_tokens_cap: int) -> tuple[ChatRequest, StreamOptions]:
     """Validate a chat request; every problem is a 400 that names its parameter."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -85,7 +81,7 @@ def parse_chat_request(body, *, default_max_tokens: int, max_tokens_cap: int, de
     if body.get("n") not in (None, 1):
         raise BadRequest("only n=1 is supported", param="n")
     max_tokens = _integer(body, "max_completion_tokens", 1, max_tokens_cap, None)
-    max_tokens = _integer(body, "max_tokens", 1, max_tokens_cap, max_tokens or default_max_tokens)
+    max_tokens = _integer(body, "max_tokens", 1, max_tokens_cap, max_tokens)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -101,19 +97,20 @@ def parse_chat_request(body, *, default_max_tokens: int, max_tokens_cap: int, de
     if not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", param="stream_options")
     seed = _integer(body, "seed", -(2**63), 2**63 - 1, None)
-    sampling = {
-        "temperature": float(_number(body, "temperature", 0.0, 2.0, default_sampling.get("temperature", 0.0))),
-        "top_p": float(_number(body, "top_p", 0.0, 1.0, default_sampling.get("top_p", 1.0))),
-        "top_k": _integer(body, "top_k", 0, 1_000_000, default_sampling.get("top_k", 0)),
-        "seed": seed if seed is not None else secrets.randbits(63),
-    }
+    temperature = _number(body, "temperature", 0.0, 2.0, None)
+    top_p = _number(body, "top_p", 0.0, 1.0, None)
+    top_k = _integer(body, "top_k", 0, 1_000_000, None)
     ignore_eos = body.get("ignore_eos")
     ignore_eos = False if ignore_eos is None else ignore_eos
     if not isinstance(ignore_eos, bool):
         raise BadRequest("ignore_eos must be true or false", param="ignore_eos")
-    if sampling["top_p"] <= 0.0:
+    if top_p is not None and top_p <= 0.0:
         raise BadRequest("top_p must be greater than 0", param="top_p")
-    return ChatRequest(messages, max_tokens, sampling, stop, stream, bool(options.get("include_usage")), ignore_eos)
+    chat = ChatRequest(
+        messages, max_tokens=max_tokens, temperature=None if temperature is None else float(temperature),
+        top_p=None if top_p is None else float(top_p), top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
+    )
+    return chat, StreamOptions(stream, bool(options.get("include_usage")))
 
 
 def _usage(stats: GenerationStats) -> dict:
@@ -125,120 +122,56 @@ def _usage(stats: GenerationStats) -> dict:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    node = request.app[NODE]
-    if node.active_generations >= node.config.max_generations:
-        raise TooManyGenerations(
-            f"this node already runs {node.active_generations} generations, its limit (--max-generations); "
-            "retry shortly or use another node"
-        )
-    node.active_generations += 1  # taken before any await, so concurrent requests cannot all slip past the limit
-    try:
-        return await _chat(request, node)
-    finally:
-        node.active_generations -= 1
+    head = request.app[NODE].head
+    chat, options = parse_chat_request(await read_json(request), max_tokens_cap=head.max_tokens_cap)
+    async with head.generate(chat) as generation:
+        if options.stream:
+            return await _stream(request, generation, options)
+        text = "".join([event.text async for event in generation])
+        stats = generation.stats
+        return web.json_response({
+            "id": _completion_id(stats),
+            "object": "chat.completion",
+            "created": generation.created,
+            "model": generation.model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": stats.finish_reason,
+                "logprobs": None,
+            }],
+            "usage": _usage(stats),
+            "meshnet": stats.to_dict(),
+        })
 
 
-async def _chat(request: web.Request, node) -> web.StreamResponse:
-    body = await read_json(request)
-    context = node.context_length
-    chat = parse_chat_request(
-        body,
-        default_max_tokens=min(node.config.max_tokens_default, node.config.max_tokens_cap),
-        max_tokens_cap=min(context, node.config.max_tokens_cap),
-        default_sampling=node.shard.default_sampling(),
-    )
-    await node.ensure_head()
-    prompt_ids = node.encode_chat(chat.messages)
-    if len(prompt_ids) >= context:
-        raise BadRequest(f"the prompt is {len(prompt_ids)} tokens; the model's context is {context}", param="messages")
-    max_tokens = min(chat.max_tokens, context - len(prompt_ids))
-    started = time.perf_counter()
-    route = await node.planner.plan_for_request()
-    client = HopClient(request.app[HOPS], request.app[CLIENT], hidden_size=node.hidden_size,
-                       timeout=node.config.hop_timeout_seconds)
-    gen_request = GenerationRequest(prompt_ids, max_tokens, chat.sampling, chat.stop, chat.ignore_eos)
-    stats = GenerationStats(session_id=secrets.token_hex(12), prompt_tokens=len(prompt_ids))
-    completion_id = f"chatcmpl-{stats.session_id}"
-    created = int(time.time())
-    model = node.shard.info.name
-    log.info("generation %s: %d prompt tokens, up to %d new, route %s", stats.session_id, len(prompt_ids),
-             max_tokens, " -> ".join(f"{h.url}@{h.start_layer}" for h in route))
-    events = generate(node, client, node.planner, route, gen_request, stats=stats)
-    # aclosing: a client that goes away mid-stream still ends the generation and frees its sessions now
-    async with contextlib.aclosing(events):
-        try:
-            return await _respond(request, _timed(events, node.metrics, started), stats, chat, completion_id,
-                                  created, model)
-        finally:
-            node.generations += 1
-            node.tokens_generated += stats.completion_tokens
-            node.metrics.generation_done(stats)
-            log.info("generation %s: %s after %d tokens (%s tok/s), %d re-prefills, %d failovers",
-                     stats.session_id, stats.finish_reason or "abandoned", stats.completion_tokens,
-                     f"{stats.decode_tokens_per_second:.1f}" if stats.decode_tokens_per_second else "-",
-                     stats.reprefills, stats.failovers)
+def _completion_id(stats: GenerationStats) -> str:
+    return f"chatcmpl-{stats.session_id}"
 
 
-async def _timed(events, metrics, started: float):
-    """Pass the events through, timing the first token and the gaps between tokens for /metrics."""
-    last = None
-    async for event in events:
-        now = time.perf_counter()
-        if last is None:
-            metrics.ttft.observe(now - started)
-        else:
-            metrics.itl.observe(now - last)
-        last = now
-        yield event
-
-
-async def _respond(request, events, stats, chat: ChatRequest, completion_id, created, model) -> web.StreamResponse:
-    if chat.stream:
-        return await _stream(request, events, stats, chat, completion_id, created, model)
-    text = "".join([event.text async for event in events])
-    return web.json_response({
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": stats.finish_reason,
-            "logprobs": None,
-        }],
-        "usage": _usage(stats),
-        "meshnet": stats.to_dict(),
-    })
-
-
-async def _stream(request, events, stats, chat: ChatRequest, completion_id, created, model) -> web.StreamResponse:
+async def _stream(request: web.Request, generation: Generation, options: StreamOptions) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            REQUEST_ID_HEADER: request_id.get()})
     await response.prepare(request)
+    stats = generation.stats
+    envelope = {"id": _completion_id(stats), "object": "chat.completion.chunk", "created": generation.created,
+                "model": generation.model}
 
     def chunk(delta: dict, finish_reason=None, **extra) -> bytes:
-        payload = {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
-        } | extra
-        return f"data: {json.dumps(payload)}\n\n".encode()
+        choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+        return f"data: {json.dumps(envelope | {'choices': choices} | extra)}\n\n".encode()
 
     await response.write(chunk({"role": "assistant", "content": ""}))
     try:
-        async for event in events:
+        async for event in generation:
             if event.text:
                 await response.write(chunk({"content": event.text}))
         await response.write(chunk({}, stats.finish_reason, meshnet=stats.to_dict()))
-        if chat.include_usage:
-            usage = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                     "model": model, "choices": [], "usage": _usage(stats)}
+        if options.include_usage:
+            usage = envelope | {"choices": [], "usage": _usage(stats)}
             await response.write(f"data: {json.dumps(usage)}\n\n".encode())
     except ConnectionResetError:
-        # the client went away (an operator pressed Esc): stop generating; the caller drops the session
+        # the client went away (an operator pressed Esc): stop generating; the head drops the session
         log.info("client left during generation %s", stats.session_id)
         return response
     except MeshError as exc:
@@ -251,8 +184,8 @@ async def _stream(request, events, stats, chat: ChatRequest, completion_id, crea
 
 
 async def models(request: web.Request) -> web.Response:
-    node = request.app[NODE]
+    head = request.app[NODE].head
     return web.json_response({
         "object": "list",
-        "data": [{"id": node.shard.info.name, "object": "model", "created": 0, "owned_by": "meshnet"}],
+        "data": [{"id": head.model_name, "object": "model", "created": 0, "owned_by": "meshnet"}],
     })

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-
 from aiohttp import web
 from yarl import URL
 
-from daemon.errors import BadRequest, Draining, NotFound, RouteUnavailable
+from daemon.errors import BadRequest, Draining, NotFound
 from daemon.metrics import CONTENT_TYPE
 from daemon.server.errors import read_json
-from daemon.server.keys import CLIENT, NODE
+from daemon.server.keys import NODE
 
 
 async def health(request: web.Request) -> web.Response:
@@ -31,22 +29,19 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def sessions(request: web.Request) -> web.Response:
-    return web.json_response(request.app[NODE].session_list().to_dict())
+    return web.json_response(request.app[NODE].sessions().to_dict())
 
 
 async def drop_session(request: web.Request) -> web.Response:
     session_id = request.match_info["session_id"]
-    if not request.app[NODE].store.drop(session_id):
+    if not request.app[NODE].drop_session(session_id):
         raise NotFound(f"no session {session_id!r} on this node", param="session_id")
     return web.json_response({"dropped": session_id})
 
 
 async def route(request: web.Request) -> web.Response:
-    node = request.app[NODE]
-    if request.query.get("refresh") == "1" or not node.planner.route:
-        with contextlib.suppress(RouteUnavailable):  # the error is reported in the body
-            node.planner.plan(explore=False)
-    return web.json_response(node.route_info().to_dict())
+    info = request.app[NODE].route(refresh=request.query.get("refresh") == "1")
+    return web.json_response(info.to_dict())
 
 
 def _peer_url(value) -> str:
@@ -70,14 +65,12 @@ async def add_peer(request: web.Request) -> web.Response:
     """Tell this node about another one (the console's "add peer"); it is polled at once."""
     body = await read_json(request)
     url = _peer_url(body.get("url") if isinstance(body, dict) else None)
-    node = request.app[NODE]
-    node.peers.add(url)
-    await node.peers.refresh(request.app[CLIENT])
-    return web.json_response({"peers": [p.to_dict() for p in node.status().peers]})
+    peers = await request.app[NODE].add_peer(url)
+    return web.json_response({"peers": [p.to_dict() for p in peers]})
 
 
 async def remove_peer(request: web.Request) -> web.Response:
     url = _peer_url(request.query.get("url"))
-    if not request.app[NODE].peers.remove(url):
+    if not request.app[NODE].remove_peer(url):
         raise NotFound(f"{url} is not a peer of this node", param="url")
     return web.json_response({"removed": url})

@@ -9,7 +9,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from daemon.api import RouteHopInfo, RouteInfo
-from meshtui.state import MeshState, NodeState, RouteEvent, layer_runs
+from meshtui.state import MeshState, NodeState, RouteChange, layer_runs
 from meshtui.widgets.formatting import format_clock, format_duration, plural, short_node, short_url
 from meshtui.widgets.keyed_table import KeyedTable
 from meshtui.widgets.layer_map import LayerHop, LayerMap, LayerRow
@@ -217,7 +217,7 @@ def _route_subtitle(route: RouteInfo | None, hops: int) -> str:
     return " · ".join(parts)
 
 
-def _event_line(event: RouteEvent, head_url: str | None) -> Text:
+def _event_line(event: RouteChange, head_url: str | None) -> Text:
     """``13:02:11 failover  :7072 unreachable → :7071 at position 45``, newest first in the route section.
 
     The position counts the prompt's tokens and the answer's so far: where the sequence was when it happened."""

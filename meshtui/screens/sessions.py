@@ -67,18 +67,16 @@ class SessionsView(Vertical):
         store = None
         if node.up:
             store = (node.sessions.store if node.sessions else None) or (node.status.store if node.status else None)
-        if not store:
+        if store is None:
             state = Text("down", style="red") if node.polled else Text("…", style="dim")
             return [label, state, "", "", "", "", ""]
-        used = format_bytes(store.get("bytes", 0))
-        if store.get("max_bytes") is not None:
-            used += f" of {format_bytes(store['max_bytes'])}"
-        evictions = store.get("evictions", {})
-        reasons = " · ".join(f"{reason} {count}" for reason, count in evictions.items() if count)
-        evicted = str(sum(evictions.values())) + (f" ({reasons})" if reasons else "")
-        return [label, f"{store.get('sessions', 0)} of {store.get('max_sessions', '?')}", used,
-                format_duration(store.get("ttl_seconds", 0)), str(store.get("hits", 0)),
-                str(store.get("misses", 0)), evicted]
+        used = format_bytes(store.bytes)
+        if store.max_bytes is not None:
+            used += f" of {format_bytes(store.max_bytes)}"
+        reasons = " · ".join(f"{reason} {count}" for reason, count in store.evictions.items() if count)
+        evicted = str(sum(store.evictions.values())) + (f" ({reasons})" if reasons else "")
+        return [label, f"{store.sessions} of {store.max_sessions}", used, format_duration(store.ttl_seconds),
+                str(store.hits), str(store.misses), evicted]
 
     def action_evict(self) -> None:
         """Ask before evicting the selected session: the next decode step on it will cost a re-prefill."""

@@ -25,14 +25,15 @@ def generation_stats(record: GenerationRecord) -> Text:
     text = Text()
     text.append(plural(record.tokens, "token"), style="bold")
     text.append(f" · {format_rate(record.tokens_per_second)}")
-    if stats:
-        text.append(f" · prefill {format_ms(stats.get('prefill_ms'))}")
-        text.append(f" · first token {format_ms(stats.get('first_token_ms'))}")
-        misses, reprefills = stats.get("cache_misses", 0), stats.get("reprefills", 0)
+    if stats is not None:
+        text.append(f" · prefill {format_ms(stats.prefill_ms)}")
+        text.append(f" · first token {format_ms(stats.first_token_ms)}")
+        misses, reprefills = stats.cache_misses, stats.reprefills
         text.append(f" · {plural(misses, 'cache miss', 'cache misses')} · {plural(reprefills, 're-prefill')}",
                     style="yellow" if misses or reprefills else "")
         # a hop that failed, or a far faster route, moved the answer mid-way: rare, so shown only when it happened
-        moves = [plural(count, what) for what in ("failover", "reroute") if (count := stats.get(f"{what}s", 0))]
+        moves = [plural(count, what) for count, what in ((stats.failovers, "failover"), (stats.reroutes, "reroute"))
+                 if count]
         if moves:
             text.append(" · " + " · ".join(moves), style="bold yellow")
     return text
@@ -114,9 +115,9 @@ class ThroughputView(VerticalScroll):
 def _generation_row(record: GenerationRecord) -> list:
     stats = record.stats
     return [str(record.number), _excerpt(record.prompt, PROMPT_WIDTH), str(record.tokens),
-            format_rate(record.tokens_per_second, unit=""), format_ms(stats.get("prefill_ms")),
-            format_ms(stats.get("first_token_ms")), str(stats.get("cache_misses", "—")),
-            str(stats.get("reprefills", "—")), Text(record.outcome, style=OUTCOME_STYLES[record.outcome])]
+            format_rate(record.tokens_per_second, unit=""), format_ms(stats and stats.prefill_ms),
+            format_ms(stats and stats.first_token_ms), str(stats.cache_misses) if stats else "—",
+            str(stats.reprefills) if stats else "—", Text(record.outcome, style=OUTCOME_STYLES[record.outcome])]
 
 
 def _excerpt(text: str, width: int) -> str:

@@ -1,0 +1,243 @@
+"""The head: a chat request in, a generation along a route of nodes out.
+
+It owns what a node needs to head generations: the tokenizer (through its own shard service,
+which loads it on first use), the route planner, the hop client and the generation counters. Its
+API is :meth:`Head.generate`, which admits a request, tokenizes it, plans a route and hands back a
+:class:`Generation` to iterate; the OpenAI handlers only translate JSON to and from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+
+from daemon import wire
+from daemon.api import GenerationStats, Sampling
+from daemon.errors import BadRequest, Draining, TooManyGenerations
+from daemon.mesh.generation import GenerationRequest, HopClient, HopReply, TokenEvent, generate
+from daemon.mesh.planner import RoutePlanner
+from daemon.mesh.transport import HopTransport
+from daemon.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class Tokenizer(Protocol):
+    """The model's tokenizer as the head uses it (see ``daemon.model.tokenizer.ChatTokenizer``)."""
+
+    eos_token_ids: set[int]
+    eos_texts: set[str]
+
+    def encode_chat(self, messages: list[dict]) -> list[int]: ...
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def default_sampling(self) -> dict: ...
+
+
+class OwnLayers(Protocol):
+    """The head's own node: its layers run as the route's local hop (see ``daemon.model.service.ShardService``)."""
+
+    hidden_size: int
+    context_length: int
+
+    async def ensure_head(self) -> Tokenizer: ...
+
+    async def embed(self, token_ids: list[int], *, dtype: str) -> wire.Activation: ...
+
+    async def forward(self, request: wire.ForwardRequest, *,
+                      token_ids: list[int] | None = None) -> wire.ForwardReply: ...
+
+    def drop_session(self, session_id: str) -> bool: ...
+
+
+@dataclass
+class ChatRequest:
+    """A chat as a client asked for it; ``None`` leaves a choice to the model's defaults."""
+
+    messages: list[dict]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None  # None: a random one, reported in the stats
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, golden tests)
+
+
+class Generation:
+    """One generation under way: iterate it for text as it becomes final; ``stats`` fill in as it goes."""
+
+    def __init__(self, stats: GenerationStats, events: AsyncIterator[TokenEvent], *, model: str) -> None:
+        self.stats = stats
+        self.model = model
+        self.created = int(time.time())
+        self._events = events
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._events
+
+
+@dataclass
+class HeadSettings:
+    wire_dtype: str = "float32"  # activations the head sends
+    hop_timeout_seconds: float = 10.0
+    max_generations: int = 32  # at once; beyond: 429
+    max_tokens_default: int = 256
+    max_tokens_cap: int = 4096
+
+
+class Head:
+    """Generations headed by this node: admission, tokenizing, routing, and the loop's counters."""
+
+    def __init__(self, own: OwnLayers, planner: RoutePlanner, metrics: Metrics, *, model_name: str,
+                 settings: HeadSettings) -> None:
+        self.own = own
+        self.planner = planner
+        self.metrics = metrics
+        self.model_name = model_name
+        self.settings = settings
+        self.active_generations = 0
+        self.generations = 0  # finished or abandoned
+        self.tokens_generated = 0
+        self._hops: HopClient | None = None
+        self._stopping = False
+
+    @property
+    def context_length(self) -> int:
+        return self.own.context_length
+
+    @property
+    def max_tokens_cap(self) -> int:
+        """The most new tokens a request may ask for."""
+        return min(self.context_length, self.settings.max_tokens_cap)
+
+    def connect(self, transport: HopTransport, session: aiohttp.ClientSession) -> None:
+        """Start sending hops: over ``transport``, with ``session`` for the rare requests off the hot path."""
+        self._hops = HopClient(transport, session, hidden_size=self.own.hidden_size,
+                               timeout=self.settings.hop_timeout_seconds)
+
+    def stop_generations(self) -> None:
+        """End every running generation at its next step (the node's shutdown grace is over)."""
+        self._stopping = True
+
+    @contextlib.asynccontextmanager
+    async def generate(self, request: ChatRequest) -> AsyncIterator[Generation]:
+        """Admit ``request`` and run it: the generation is abandoned (its sessions freed) when the block exits."""
+        if self.active_generations >= self.settings.max_generations:
+            raise TooManyGenerations(
+                f"this node already runs {self.active_generations} generations, its limit (--max-generations); "
+                "retry shortly or use another node"
+            )
+        self.active_generations += 1  # taken before any await: concurrent requests cannot all slip past the limit
+        try:
+            started = time.perf_counter()
+            tokenizer = await self.own.ensure_head()
+            prompt_ids = tokenizer.encode_chat(request.messages)
+            context = self.context_length
+            if len(prompt_ids) >= context:
+                raise BadRequest(f"the prompt is {len(prompt_ids)} tokens; the model's context is {context}",
+                                 param="messages")
+            asked = request.max_tokens or min(self.settings.max_tokens_default, self.settings.max_tokens_cap)
+            max_tokens = min(asked, context - len(prompt_ids))
+            sampling = self._sampling(request, tokenizer.default_sampling())
+            route = await self.planner.plan_for_request()
+            stats = GenerationStats(session_id=secrets.token_hex(12), prompt_tokens=len(prompt_ids),
+                                    sampling=sampling)
+            log.info("generation %s: %d prompt tokens, up to %d new, route %s", stats.session_id, len(prompt_ids),
+                     max_tokens, " -> ".join(f"{h.url}@{h.start_layer}" for h in route))
+            loop_request = GenerationRequest(prompt_ids, max_tokens, sampling, request.stop, request.ignore_eos)
+            own = _OwnLayers(self.own, tokenizer, wire_dtype=self.settings.wire_dtype)
+            events = generate(own, self._hop_client(), self.planner, route, loop_request, stats=stats)
+            # aclosing: a client that goes away mid-stream still ends the generation and frees its sessions now
+            async with contextlib.aclosing(events):
+                try:
+                    yield Generation(stats, self._timed(events, started), model=self.model_name)
+                finally:
+                    self._finished(stats)
+        finally:
+            self.active_generations -= 1
+
+    def _hop_client(self) -> HopClient:
+        if self._hops is None:
+            raise RuntimeError("the head sends no hops before connect()")
+        return self._hops
+
+    @staticmethod
+    def _sampling(request: ChatRequest, defaults: dict) -> Sampling:
+        def pick(name: str):
+            asked = getattr(request, name)
+            return defaults[name] if asked is None else asked
+
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        return Sampling(float(pick("temperature")), float(pick("top_p")), int(pick("top_k")), seed)
+
+    async def _timed(self, events: AsyncIterator[TokenEvent], started: float) -> AsyncIterator[TokenEvent]:
+        """Pass the events through, timing the first token and the gaps between tokens for /metrics,
+        and stopping when the node's shutdown grace is over."""
+        last = None
+        async for event in events:
+            now = time.perf_counter()
+            if last is None:
+                self.metrics.ttft.observe(now - started)
+            else:
+                self.metrics.itl.observe(now - last)
+            last = now
+            yield event
+            if self._stopping:
+                raise Draining("this node shut down before the answer was complete; ask again (another node, "
+                               "or this one once it is back)")
+
+    def _finished(self, stats: GenerationStats) -> None:
+        self.generations += 1
+        self.tokens_generated += stats.completion_tokens
+        self.metrics.generation_done(stats)
+        log.info("generation %s: %s after %d tokens (%s tok/s), %d re-prefills, %d failovers",
+                 stats.session_id, stats.finish_reason or "abandoned", stats.completion_tokens,
+                 f"{stats.decode_tokens_per_second:.1f}" if stats.decode_tokens_per_second else "-",
+                 stats.reprefills, stats.failovers)
+
+
+class _OwnLayers:
+    """What the generation loop needs from the head's own node (``HeadBackend``), for one generation."""
+
+    def __init__(self, own: OwnLayers, tokenizer: Tokenizer, *, wire_dtype: str) -> None:
+        self._own = own
+        self._tokenizer = tokenizer
+        self._wire_dtype = wire_dtype
+        self.hidden_size = own.hidden_size
+        self.eos_token_ids = tokenizer.eos_token_ids
+        self.eos_texts = tokenizer.eos_texts
+
+    async def embed(self, token_ids: list[int]) -> wire.Activation:
+        return await self._own.embed(token_ids, dtype=self._wire_dtype)
+
+    async def local_step(self, activation: wire.Activation | None, *, mode, session_id, past_len, start_layer,
+                         hop_index, sampling: Sampling | None, token_ids: list[int] | None = None) -> HopReply:
+        if token_ids is not None:  # embedded in the step itself: the activation is only its dtype and shape
+            activation = wire.Activation(self._wire_dtype, (1, len(token_ids), self.hidden_size), b"")
+        request = wire.ForwardRequest(
+            activation=activation, mode=mode, session_id=session_id, past_len=past_len,
+            start_layer=start_layer, hop_index=hop_index, sampling=sampling.to_dict() if sampling else {},
+        )
+        reply = await self._own.forward(request, token_ids=token_ids)
+        return HopReply(activation=reply.activation, token_id=reply.token_id, text=reply.text,
+                        compute_ms=reply.compute_ms)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._tokenizer.encode_text(text)
+
+    def drop_local_session(self, session_id: str) -> None:
+        self._own.drop_session(session_id)

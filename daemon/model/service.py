@@ -1,0 +1,176 @@
+"""The node side of ``POST /forward``: a shard, its session store, and the one thread torch runs on.
+
+Every piece of torch work runs on one dedicated worker thread, so the HTTP event loop answers
+``/health`` and ``/v1/status`` in milliseconds while a step runs. The head's own layers run here
+too (:meth:`ShardService.forward` with ``token_ids``): a local hop is the same step without HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from daemon import wire
+from daemon.api import Sampling, SessionInfo
+from daemon.errors import BadRequest
+from daemon.kvstore import SessionCacheStore
+from daemon.model.cores import CoreShare
+from daemon.model.shard import ModelShard, StepResult
+from daemon.model.tensors import as_sent, to_activation, to_tensor
+from daemon.model.tokenizer import ChatTokenizer
+
+log = logging.getLogger(__name__)
+
+BUSY_WINDOW_SECONDS = 10.0  # the share of time spent computing is reported over this window
+
+StepObserver = Callable[[str | None, float], None]  # (mode, seconds) of every step run
+
+
+class ShardService:
+    """A loaded shard serving steps on its own torch thread. Build with :meth:`load`.
+
+    ``threads``: torch threads; with ``share_cores`` the count follows this host's core share
+    (:class:`CoreShare`) before each step instead. ``on_step`` is told every step's mode and compute time.
+    """
+
+    def __init__(self, shard: ModelShard, store: SessionCacheStore, *, threads: int, share_cores: bool,
+                 kv_cache: bool, on_step: StepObserver | None = None) -> None:
+        self.shard = shard
+        self.store = store
+        self.start, self.end = shard.start, shard.end
+        self.info = shard.info
+        self.hidden_size = shard.info.hidden_size
+        self.context_length = getattr(shard.config, "max_position_embeddings", None) or wire.MAX_SEQUENCE
+        self.kv_cache_enabled = kv_cache  # as configured; whether the layers take a cache is the shard's
+        self.fixed_threads = threads
+        self.cores = _core_share() if share_cores else None
+        self.on_step = on_step
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self.active_steps = 0
+        self.steps_served = 0
+        self.tokens_served = 0
+        self._compute_log: deque[tuple[float, float]] = deque()  # (finished, seconds) of recent steps
+
+    @classmethod
+    def load(cls, folder: Path, start: int, end: int, *, store: SessionCacheStore, kv_cache: bool, threads: int,
+             share_cores: bool, on_step: StepObserver | None = None) -> ShardService:
+        """Load layers ``[start, end)`` of the model in ``folder`` (blocking)."""
+        torch.set_num_threads(threads)
+        shard = ModelShard(folder, start, end, head=start == 0, kv_cache=kv_cache, sessions=store)
+        return cls(shard, store, threads=threads, share_cores=share_cores, kv_cache=kv_cache, on_step=on_step)
+
+    @property
+    def supports_kv_cache(self) -> bool:
+        return self.shard.supports_kv_cache
+
+    @property
+    def caches(self) -> bool:
+        """Whether decode steps are served from a cache here: configured on and supported by the layers."""
+        return self.kv_cache_enabled and self.shard.supports_kv_cache
+
+    @property
+    def threads(self) -> int:
+        """Torch threads now: the core share once a step has set it, else the fixed count."""
+        return (self.cores and self.cores.threads) or self.fixed_threads
+
+    async def run(self, fn, *args):
+        """Run torch work on the service's single worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.cores is not None:
+            self.cores.close()
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    async def forward(self, request: wire.ForwardRequest, *, token_ids: list[int] | None = None) -> wire.ForwardReply:
+        """One /forward step. ``token_ids``: the head's own first hop, embedded in the same worker call (one
+        hand-off to the torch thread per step, not two); ``request.activation`` then only names dtype and shape."""
+        positions = request.past_len + request.activation.shape[1]
+        if positions > self.context_length:
+            raise BadRequest(f"the step reaches position {positions}; the model's context is {self.context_length}",
+                             param=wire.SHAPE)
+        if request.mode == "prefill":  # once per generation (and re-prefill) per node: never per token
+            log.info("session %s: prefill of %d tokens from layer %d", request.session_id,
+                     request.activation.shape[1], request.start_layer)
+        self.active_steps += 1
+        try:
+            result, out, seconds = await self.run(self._step, request, token_ids)
+        finally:
+            self.active_steps -= 1
+        self.steps_served += 1
+        self.tokens_served += request.activation.shape[1]
+        self._compute_log.append((time.monotonic(), seconds))
+        if self.on_step is not None:
+            self.on_step(request.mode, seconds)
+        compute_ms = seconds * 1000.0
+        if out is not None:
+            return wire.ForwardReply(activation=out, compute_ms=compute_ms)
+        return wire.ForwardReply(token_id=result.token_id, text=result.text, compute_ms=compute_ms)
+
+    def _step(self, request: wire.ForwardRequest,
+              token_ids: list[int] | None) -> tuple[StepResult, wire.Activation | None, float]:
+        """One step on the torch worker: the hidden states from the request's bytes, or embedded here."""
+        if self.cores is not None:
+            self.cores.adjust()
+        started = time.perf_counter()
+        if token_ids is None:
+            hidden = to_tensor(request.activation, compute_dtype=self.shard.dtype)
+        else:  # rounded as the wire would have rounded it, so a local first hop changes nothing
+            hidden = as_sent(self.shard.embed(token_ids), wire_dtype=request.activation.dtype,
+                             compute_dtype=self.shard.dtype)
+        result = self.shard.step(
+            hidden,
+            mode=request.mode,
+            session_id=request.session_id,
+            past_len=request.past_len,
+            start_layer=request.start_layer,
+            sampling=Sampling(**request.sampling),
+        )
+        seconds = time.perf_counter() - started
+        # the reply travels in the dtype the request came in, serialised here rather than on the event loop
+        out = to_activation(result.hidden, dtype=request.activation.dtype) if result.hidden is not None else None
+        return result, out, seconds
+
+    def busy(self) -> float:
+        """The share of the last few seconds this node spent computing steps, 0..1: its load."""
+        horizon = time.monotonic() - BUSY_WINDOW_SECONDS
+        while self._compute_log and self._compute_log[0][0] < horizon:
+            self._compute_log.popleft()
+        return min(1.0, sum(seconds for _, seconds in self._compute_log) / BUSY_WINDOW_SECONDS)
+
+    # ---- what the head's own layers add ----------------------------------------------------------
+
+    async def ensure_head(self) -> ChatTokenizer:
+        """The embeddings and tokenizer, loaded on first use as head."""
+        if not self.shard.is_head_loaded:
+            await self.run(self.shard.ensure_head)
+        return self.shard.tokenizer
+
+    async def embed(self, token_ids: list[int], *, dtype: str) -> wire.Activation:
+        return await self.run(lambda: to_activation(self.shard.embed(token_ids), dtype=dtype))
+
+    # ---- sessions ----------------------------------------------------------------------------
+
+    def sessions(self) -> list[SessionInfo]:
+        return [SessionInfo(e.session_id, e.past_len, e.start_layer, e.nbytes, e.created_at, e.last_used, e.expires_at)
+                for e in self.store.entries()]
+
+    def drop_session(self, session_id: str) -> bool:
+        return self.store.drop(session_id)
+
+
+def _core_share() -> CoreShare | None:
+    try:
+        return CoreShare()
+    except OSError as exc:  # no shared folder to meet the other daemons in: keep the fixed thread count
+        log.warning("cannot share cores with the other daemons on this host (%s); threads stay fixed", exc)
+        return None

@@ -1,0 +1,63 @@
+"""The model's tokenizer and generation config: prompts to token ids, ids to text, and when to stop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from daemon.errors import ModelUnavailable
+
+
+class ChatTokenizer:
+    """What the head needs to turn a chat into token ids and back, and the tail to name its token."""
+
+    def __init__(self, tokenizer, *, config, generation: dict) -> None:
+        self._tokenizer = tokenizer
+        self._generation = generation
+        ids: set[int] = set()
+        for c in (getattr(config, "eos_token_id", None), generation.get("eos_token_id"), tokenizer.eos_token_id):
+            ids.update(c if isinstance(c, list) else [c] if c is not None else [])
+        self.eos_token_ids: set[int] = ids
+        self.eos_texts: set[str] = {tokenizer.decode([i]) for i in ids}  # for an older tail that answers text only
+
+    @classmethod
+    def load(cls, folder: Path, config) -> ChatTokenizer:
+        """The tokenizer of the model in ``folder`` (whose parsed ``config`` is given)."""
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        except Exception as exc:  # noqa: BLE001 - any tokenizer failure means the same thing to the user
+            raise ModelUnavailable(f"cannot load the tokenizer from {folder}: {exc}") from None
+        return cls(tokenizer, config=config, generation=read_generation_config(folder))
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The chat template applied to ``messages``, ending where the assistant's answer begins."""
+        encoded = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as the tail reports it (special tokens included)."""
+        return self._tokenizer.decode([token_id])
+
+    def default_sampling(self) -> dict:
+        """Sampling when a request names none: the model's generation config, else greedy."""
+        gen = self._generation
+        if not gen.get("do_sample"):
+            return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+        return {
+            "temperature": float(gen.get("temperature", 1.0)),
+            "top_p": float(gen.get("top_p", 1.0)),
+            "top_k": int(gen.get("top_k", 0) or 0),
+        }
+
+
+def read_generation_config(folder: Path) -> dict:
+    path = Path(folder) / "generation_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}

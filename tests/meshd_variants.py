@@ -1,0 +1,63 @@
+"""meshd with a test-only twist, for tests that need a node no real meshd is any more:
+
+    python -m tests.meshd_variants legacy-tail <meshd options>   # a tail from before ADR-0022: text, no token id
+    python -m tests.meshd_variants slow-300 <meshd options>      # every /forward step answers 300 ms later
+
+The node is meshd's own (``daemon.cli.load_node``, ``node_app``, ``run``); only a middleware is added.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+from aiohttp import web
+
+from daemon import cli
+
+
+@web.middleware
+async def legacy_tail(request: web.Request, handler):
+    """Answer a tail's step as nodes did before token ids: ``{"text": ...}`` only."""
+    response = await handler(request)
+    if request.path == "/forward" and response.content_type == "application/json" and response.status == 200:
+        return web.json_response({"text": json.loads(response.body)["text"]})
+    return response
+
+
+def slow(milliseconds: int):
+    """Answer every step this much later: a slow replica."""
+
+    @web.middleware
+    async def delay(request: web.Request, handler):
+        if request.path == "/forward":
+            await asyncio.sleep(milliseconds / 1000.0)
+        return await handler(request)
+
+    return delay
+
+
+def middleware_for(variant: str):
+    if variant == "legacy-tail":
+        return legacy_tail
+    if variant.startswith("slow-") and variant[5:].isdigit():
+        return slow(int(variant[5:]))
+    raise SystemExit(f"unknown variant {variant!r}: legacy-tail or slow-MS")
+
+
+def main(argv: list[str]) -> int:
+    variant, *options = argv
+    middleware = middleware_for(variant)
+    try:
+        node = cli.load_node(options)
+    except cli.Refused as exc:
+        print(f"meshd: error: {exc.message}", file=sys.stderr)
+        return exc.code
+    app = cli.node_app(node)
+    app.middlewares.append(middleware)
+    return cli.run(app, node)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
