@@ -181,6 +181,37 @@ def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 
 
+# ---- the session cache variables (read here only; the store no longer reads the environment) --------
+
+
+def test_kv_variables_are_read_and_explicit_options_win(no_file):
+    env = {"MESHNET_KV_TTL_SECONDS": "120.5", "MESHNET_KV_MAX_SESSIONS": "3", "MESHNET_KV_MAX_BYTES": "4096"}
+    cfg = load_config({}, env, no_file)
+    assert (cfg.kv_ttl_seconds, cfg.kv_max_sessions, cfg.kv_max_bytes) == (120.5, 3, 4096)
+    cfg = load_config({"kv_max_sessions": 9, "kv_max_bytes": None}, env, no_file)
+    assert (cfg.kv_max_sessions, cfg.kv_max_bytes) == (9, 4096)
+    defaults = load_config({}, {}, no_file)
+    assert (defaults.kv_ttl_seconds, defaults.kv_max_sessions, defaults.kv_max_bytes) == (600.0, 8, None)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("MESHNET_KV_TTL_SECONDS", "ten"),
+        ("MESHNET_KV_TTL_SECONDS", "0"),
+        ("MESHNET_KV_MAX_SESSIONS", "2.5"),
+        ("MESHNET_KV_MAX_SESSIONS", "-1"),
+        ("MESHNET_KV_MAX_BYTES", "lots"),
+        ("MESHNET_KV_MAX_BYTES", "-1"),
+        ("MESHNET_KV_TTL_SECONDS", "nan"),
+        ("MESHNET_KV_TTL_SECONDS", "inf"),
+    ],
+)
+def test_kv_variables_reject_bad_values_naming_the_variable(no_file, name, value):
+    with pytest.raises(ValueError, match=name):
+        load_config({}, {name: value}, no_file)
+
+
 # ---- default_threads ---------------------------------------------------------------------------
 
 
