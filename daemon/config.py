@@ -160,6 +160,7 @@ class NodeConfig:
 
     @property
     def url(self) -> str:
+        """How peers reach this node: ``public_url``, else ``http://host:port``."""
         return self.public_url or f"http://{self.host}:{self.port}"
 
 
@@ -272,6 +273,7 @@ _BY_NAME = {s.name: s for s in SETTINGS}
 
 
 def default_config_path() -> Path:
+    """``meshd.toml`` in the user's platformdirs config folder, the file read when none is named."""
     return Path(platformdirs.user_config_dir("meshnet")) / "meshd.toml"
 
 
