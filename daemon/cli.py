@@ -14,7 +14,7 @@ import sys
 import time
 
 from daemon import __version__
-from daemon.config import ConfigError, default_config_path, default_threads, is_loopback, load_config
+from daemon.config import SETTINGS, ConfigError, default_config_path, default_threads, is_loopback, load_config
 
 STOP_WAIT_SECONDS = 2.0  # after the grace: how long generations get to reach their next step and end
 
@@ -28,48 +28,10 @@ def _serve_parser() -> argparse.ArgumentParser:
         epilog=f"Precedence: command line, then MESHNET_* environment, then {default_config_path()}, then defaults.",
     )
     p.add_argument("--version", action="version", version=f"meshd {__version__}")
-    p.add_argument("--model", help="a local Hugging Face model folder, a .gguf file, or the built-in "
-                   "default SmolLM2-135M-Instruct (used when absent)")
-    p.add_argument("--layers", help="inclusive layer range to host, e.g. 0-14 (default: every layer)")
-    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to listen on (default 7070)")
-    p.add_argument("--peer", dest="peers", action="append", metavar="URL",
-                   help="another node, e.g. http://127.0.0.1:7071 (repeatable)")
-    p.add_argument("--no-kv-cache", dest="kv_cache", action="store_const", const=False,
-                   help="keep no session caches: every step runs the full sequence (stateless)")
-    p.add_argument("--threads", type=int, help="torch threads (default: this host's cores shared among "
-                   "the daemons on it, counting peers on loopback)")
-    p.add_argument("--kv-ttl", dest="kv_ttl_seconds", type=float, help="session cache TTL in seconds (default 600)")
-    p.add_argument("--kv-max-sessions", type=int, help="most sessions cached at once (default 8)")
-    p.add_argument("--kv-max-bytes", type=int, help="byte budget of the session caches (default: none)")
-    p.add_argument("--wire-dtype", choices=["float32", "float16", "bfloat16"],
-                   help="dtype of activations this node sends as head (default float32, exact)")
-    p.add_argument("--route-explore", type=float, metavar="SHARE",
-                   help="share of new generations routed with randomised costs, so stale latency "
-                   "measurements recover (default 0.1; 0 always takes the fastest known route)")
-    p.add_argument("--failover-wait", dest="failover_wait_seconds", type=float, metavar="SECONDS",
-                   help="when a hop fails mid-generation and no other node covers its layers, how long to "
-                   "wait for one (e.g. a restart) before the generation fails (default 30)")
-    p.add_argument("--hop-timeout", dest="hop_timeout_seconds", type=float, metavar="SECONDS",
-                   help="a one-token step on a peer must answer within this, or the peer counts as failed; "
-                   "longer steps get proportionally more (default 10)")
-    p.add_argument("--token", help="shared mesh token: every endpoint but /health then needs "
-                   "'Authorization: Bearer TOKEN', and nodes send it to each other (prefer MESHNET_TOKEN: "
-                   "arguments show in ps)")
-    p.add_argument("--max-body-bytes", type=int, metavar="BYTES", help="largest request body (default 64 MiB); "
-                   "larger is a 413")
-    p.add_argument("--max-tokens-cap", type=int, metavar="N", help="the most new tokens a request may ask for "
-                   "(default 4096, never past the model's context)")
-    p.add_argument("--max-generations", type=int, metavar="N", help="generations this node heads at once "
-                   "(default 32); beyond it, 429 with Retry-After")
-    p.add_argument("--shutdown-grace", dest="shutdown_grace_seconds", type=float, metavar="SECONDS",
-                   help="on SIGTERM or Ctrl+C, how long running generations get to finish (default 30); "
-                   "a second signal stops at once")
-    p.add_argument("--log-format", choices=["auto", "text", "json"],
-                   help="log lines as text or JSON objects (default auto: text on a terminal, JSON otherwise)")
-    p.add_argument("--public-url", help="the URL peers use to reach this node (default http://HOST:PORT)")
+    for setting in SETTINGS:  # every option comes from the one table of fields in daemon.config
+        if setting.flag:
+            p.add_argument(setting.flag, **setting.argparse_options())
     p.add_argument("--config", help=f"TOML config file (default {default_config_path()})")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 
 

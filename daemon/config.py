@@ -2,85 +2,278 @@
 
     command line  >  environment (MESHNET_*)  >  TOML file  >  defaults
 
+Each field is declared once, in :class:`NodeConfig`: its default, its command-line flag and help, and
+its check. Everything else is derived from that declaration (:data:`SETTINGS`): the argparse options
+of ``meshd``, the ``MESHNET_<FIELD>`` variables, the TOML keys (the field names) with their types, and
+the validation, applied once to each value that was given, whatever its source.
+
 The TOML file is ``meshd.toml`` in the platformdirs config folder (or the file
-named by ``--config`` / ``MESHNET_CONFIG``); its keys are the field names below.
+named by ``--config`` / ``MESHNET_CONFIG``).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import tomllib
-from dataclasses import dataclass, field, fields
+import typing
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 import platformdirs
 
-from daemon.api import TOKEN_PATTERN, TOKEN_RULE
+from daemon.api import TOKEN_PATTERN, TOKEN_RULE, parse_layers
 
 DEFAULT_PORT = 7070
+
+# What is wrong with a value, as the end of a sentence ("must be at least 1"), or None when it is fine.
+Check = Callable[[typing.Any], str | None]
+
+
+def between(low: float, high: float) -> Check:
+    """A check that a number lies in ``[low, high]``."""
+    return lambda value: None if low <= value <= high else f"must be between {low:g} and {high:g}"
+
+
+def at_least(low: float) -> Check:
+    """A check that a number is ``low`` or more."""
+    return lambda value: None if value >= low else f"must be at least {low:g}"
+
+
+def above(low: float) -> Check:
+    """A check that a number is more than ``low``."""
+    return lambda value: None if value > low else f"must be greater than {low:g}"
+
+
+def _token(value: str) -> str | None:
+    return None if TOKEN_PATTERN.fullmatch(value) else f"must be {TOKEN_RULE}"
+
+
+def _layer_range(value: str) -> str | None:
+    # only the syntax here: whether the range fits the model is known once the model is read
+    try:
+        parse_layers(value)
+    except ValueError:
+        return "must be an inclusive layer range like 0-14 (or one layer, like 7) that does not end before it starts"
+    return None
+
+
+def _address(value: str) -> str | None:
+    # what meshd's peer directory accepts: an http(s) URL, or a bare host:port taken as http://
+    try:
+        parts = urllib.parse.urlsplit(value if "://" in value else f"http://{value}")
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # urlsplit and .port raise it for a bad IPv6 literal or a port out of range
+        usable = False
+    return None if usable and not any(c.isspace() for c in value) else "must be an address like http://127.0.0.1:7071"
+
+
+def _addresses(values: list[str]) -> str | None:
+    problems = [value for value in values if _address(value)]
+    return f"must be addresses like http://127.0.0.1:7071 ({problems[0]!r} is not)" if problems else None
+
+
+def setting(default, *, flag: str | None, help: str, metavar: str | None = None, choices: tuple[str, ...] = (),
+            check: Check | None = None, secret: bool = False):
+    """Declare a :class:`NodeConfig` field with how the command line, environment and TOML file set it.
+
+    ``flag`` is the command-line option (None: none; the variable and the file still set the field);
+    ``choices`` are matched in any case; ``secret`` values are never echoed in an error.
+    """
+    metadata = {"setting": {"flag": flag, "help": help, "metavar": metavar, "choices": choices, "check": check,
+                            "secret": secret}}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class NodeConfig:
-    model: str | None = None  # None: the built-in default model
-    layers: str | None = None  # inclusive "A-B"; None: every layer
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    peers: list[str] = field(default_factory=list)
-    kv_cache: bool = True
-    threads: int | None = None  # None: the machine's cores shared among the daemons on this host
-    kv_ttl_seconds: float = 600.0
-    kv_max_sessions: int = 8
-    kv_max_bytes: int | None = None
-    wire_dtype: str = "float32"
-    max_tokens_default: int = 256
-    log_level: str = "info"
-    public_url: str | None = None  # how peers reach this node; default http://host:port
-    route_explore: float = 0.1  # share of new generations planned with randomised costs, to re-measure
-    failover_wait_seconds: float = 30.0  # how long a generation waits for a route after a hop fails
-    hop_timeout_seconds: float = 10.0  # a one-token step must answer within this (longer steps get more)
-    token: str | None = None  # shared mesh token: every endpoint but /health needs "Authorization: Bearer <token>"
-    max_body_bytes: int = 64 * 1024 * 1024  # larger request bodies are a 413
-    max_tokens_cap: int = 4096  # the most a request may ask for (and never past the model's context)
-    max_generations: int = 32  # concurrent generations this node heads; beyond: 429 with Retry-After
-    shutdown_grace_seconds: float = 30.0  # on SIGTERM, how long running generations get to finish
-    log_format: str = "auto"  # "text", "json", or "auto": text on a terminal, JSON otherwise
+    """A node's settings. Each field's ``setting(...)`` is the only place that field is declared."""
+
+    model: str | None = setting(
+        None, flag="--model", help="a local Hugging Face model folder, a .gguf file, or the built-in default "
+        "SmolLM2-135M-Instruct (used when absent)")
+    layers: str | None = setting(
+        None, flag="--layers", help="inclusive layer range to host, e.g. 0-14 (default: every layer)",
+        check=_layer_range)
+    host: str = setting("127.0.0.1", flag="--host", help="address to bind (default 127.0.0.1)")
+    port: int = setting(DEFAULT_PORT, flag="--port", help="port to listen on (default 7070)", check=between(1, 65535))
+    peers: list[str] = setting(
+        [], flag="--peer", metavar="URL", help="another node, e.g. http://127.0.0.1:7071 (repeatable)",
+        check=_addresses)
+    kv_cache: bool = setting(
+        True, flag="--no-kv-cache", help="keep no session caches: every step runs the full sequence (stateless)")
+    threads: int | None = setting(  # None: the machine's cores shared among the daemons on this host
+        None, flag="--threads", help="torch threads (default: this host's cores shared among the daemons on it, "
+        "counting peers on loopback)", check=at_least(1))
+    kv_ttl_seconds: float = setting(
+        600.0, flag="--kv-ttl", help="session cache TTL in seconds (default 600)", check=above(0))
+    kv_max_sessions: int = setting(
+        8, flag="--kv-max-sessions", help="most sessions cached at once (default 8)", check=at_least(1))
+    kv_max_bytes: int | None = setting(
+        None, flag="--kv-max-bytes", help="byte budget of the session caches (default: none)", check=at_least(0))
+    wire_dtype: str = setting(
+        "float32", flag="--wire-dtype", choices=("float32", "float16", "bfloat16"),
+        help="dtype of activations this node sends as head (default float32, exact)")
+    # no flag: a request's own max_tokens is the usual way to set it
+    max_tokens_default: int = setting(
+        256, flag=None, help="max_tokens when a request names none (default 256)", check=at_least(1))
+    log_level: str = setting(
+        "info", flag="--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)")
+    public_url: str | None = setting(  # None: http://host:port
+        None, flag="--public-url", help="the URL peers use to reach this node (default http://HOST:PORT)",
+        check=_address)
+    route_explore: float = setting(  # share of new generations planned with randomised costs, to re-measure
+        0.1, flag="--route-explore", metavar="SHARE", help="share of new generations routed with randomised "
+        "costs, so stale latency measurements recover (default 0.1; 0 always takes the fastest known route)",
+        check=between(0, 1))
+    failover_wait_seconds: float = setting(
+        30.0, flag="--failover-wait", metavar="SECONDS", help="when a hop fails mid-generation and no other node "
+        "covers its layers, how long to wait for one (e.g. a restart) before the generation fails (default 30)",
+        check=between(0, 3600))
+    hop_timeout_seconds: float = setting(  # longer steps get proportionally more
+        10.0, flag="--hop-timeout", metavar="SECONDS", help="a one-token step on a peer must answer within this, "
+        "or the peer counts as failed; longer steps get proportionally more (default 10)", check=between(0.1, 3600))
+    token: str | None = setting(  # every endpoint but /health needs "Authorization: Bearer <token>"
+        None, flag="--token", help="shared mesh token: every endpoint but /health then needs "
+        "'Authorization: Bearer TOKEN', and nodes send it to each other (prefer MESHNET_TOKEN: arguments show "
+        "in ps)", check=_token, secret=True)
+    max_body_bytes: int = setting(
+        64 * 1024 * 1024, flag="--max-body-bytes", metavar="BYTES",
+        help="largest request body (default 64 MiB); larger is a 413", check=at_least(1024))
+    max_tokens_cap: int = setting(
+        4096, flag="--max-tokens-cap", metavar="N", help="the most new tokens a request may ask for "
+        "(default 4096, never past the model's context)", check=at_least(1))
+    max_generations: int = setting(
+        32, flag="--max-generations", metavar="N", help="generations this node heads at once (default 32); "
+        "beyond it, 429 with Retry-After", check=at_least(1))
+    shutdown_grace_seconds: float = setting(
+        30.0, flag="--shutdown-grace", metavar="SECONDS", help="on SIGTERM or Ctrl+C, how long running "
+        "generations get to finish (default 30); a second signal stops at once", check=between(0, 3600))
+    log_format: str = setting(
+        "auto", flag="--log-format", choices=("auto", "text", "json"),
+        help="log lines as text or JSON objects (default auto: text on a terminal, JSON otherwise)")
 
     @property
     def url(self) -> str:
+        """How peers reach this node: ``public_url``, else ``http://host:port``."""
         return self.public_url or f"http://{self.host}:{self.port}"
 
 
-# environment variable -> field, and how to read it
-_ENV = {
-    "MESHNET_MODEL": ("model", str),
-    "MESHNET_LAYERS": ("layers", str),
-    "MESHNET_HOST": ("host", str),
-    "MESHNET_PORT": ("port", int),
-    "MESHNET_PEERS": ("peers", lambda v: [p for p in v.replace(",", " ").split() if p]),
-    "MESHNET_KV_CACHE": ("kv_cache", lambda v: v.strip().lower() not in ("0", "false", "no", "off")),
-    "MESHNET_THREADS": ("threads", int),
-    "MESHNET_KV_TTL_SECONDS": ("kv_ttl_seconds", float),
-    "MESHNET_KV_MAX_SESSIONS": ("kv_max_sessions", int),
-    "MESHNET_KV_MAX_BYTES": ("kv_max_bytes", int),
-    "MESHNET_WIRE_DTYPE": ("wire_dtype", str),
-    "MESHNET_LOG_LEVEL": ("log_level", str),
-    "MESHNET_MAX_TOKENS_DEFAULT": ("max_tokens_default", int),
-    "MESHNET_PUBLIC_URL": ("public_url", str),
-    "MESHNET_ROUTE_EXPLORE": ("route_explore", float),
-    "MESHNET_FAILOVER_WAIT_SECONDS": ("failover_wait_seconds", float),
-    "MESHNET_HOP_TIMEOUT_SECONDS": ("hop_timeout_seconds", float),
-    "MESHNET_TOKEN": ("token", str),
-    "MESHNET_MAX_BODY_BYTES": ("max_body_bytes", int),
-    "MESHNET_MAX_TOKENS_CAP": ("max_tokens_cap", int),
-    "MESHNET_MAX_GENERATIONS": ("max_generations", int),
-    "MESHNET_SHUTDOWN_GRACE_SECONDS": ("shutdown_grace_seconds", float),
-    "MESHNET_LOG_FORMAT": ("log_format", str),
-}
+_KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+               list: "a list of strings"}
+_TRUE_WORDS, _FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configuration field as every source sees it: flag, environment variable, TOML type and check."""
+
+    name: str
+    kind: type  # str, int, float, bool, or list (of str)
+    default: object
+    flag: str | None
+    help: str
+    metavar: str | None
+    choices: tuple[str, ...]
+    check: Check | None
+    secret: bool
+
+    @property
+    def env_var(self) -> str:
+        """The environment variable that sets this field: ``MESHNET_`` and the field name in capitals."""
+        return f"MESHNET_{self.name.upper()}"
+
+    @property
+    def kind_name(self) -> str:
+        """The field's type in words, for error messages."""
+        return _KIND_NAMES[self.kind]
+
+    def argparse_options(self) -> dict:
+        """Keyword arguments of ``add_argument(self.flag, ...)``.
+
+        The default stays None, so only options the user gave reach :func:`load_config`. A bool flag
+        sets the opposite of the default (``--no-kv-cache``), a list flag repeats (``--peer``).
+        """
+        options: dict = {"dest": self.name, "default": None, "help": self.help}
+        if self.kind is bool:
+            return options | {"action": "store_const", "const": not self.default}
+        if self.kind is list:
+            options["action"] = "append"
+        elif self.kind in (int, float):
+            options["type"] = self.kind
+        if self.choices:
+            options |= {"choices": self.choices, "type": str.lower}
+        if self.metavar:
+            options["metavar"] = self.metavar
+        return options
+
+    def parse_text(self, text: str):
+        """The value of an environment variable's text; ValueError when it is not of the field's type."""
+        text = text.strip()
+        if self.kind is list:  # space and/or comma separated
+            return [part for part in text.replace(",", " ").split() if part]
+        if self.kind is bool:
+            if text.lower() not in _TRUE_WORDS + _FALSE_WORDS:
+                raise ValueError(text)
+            return text.lower() in _TRUE_WORDS
+        return self.kind(text)
+
+    def has_type(self, value) -> bool:
+        """Whether ``value`` (from the TOML file or a caller) is of this field's type; ints count as floats."""
+        if isinstance(value, bool):  # a bool is an int to Python, never to a config file
+            return self.kind is bool
+        if self.kind is float:
+            return isinstance(value, int | float)
+        if self.kind is list:
+            return isinstance(value, list) and all(isinstance(item, str) for item in value)
+        return isinstance(value, self.kind)
+
+    def problem(self, value) -> str | None:
+        """What is wrong with a typed value for this field ("must be ..."), or None when it can be used."""
+        if self.kind is float and not math.isfinite(value):
+            return "must be a finite number"
+        if self.kind is str and not value.strip():
+            return "must not be empty"
+        if self.choices and value.lower() not in self.choices:
+            return f"must be one of {', '.join(self.choices)}"
+        return self.check(value) if self.check else None
+
+    def normalized(self, value):
+        """The value as NodeConfig holds it: floats as float, choices in lower case."""
+        if self.kind is float:
+            return float(value)
+        if self.choices:
+            return value.lower()
+        return value
+
+
+def _kind(annotation) -> type:
+    """The one type a field holds: int for ``int | None``, list for ``list[str]``."""
+    if typing.get_origin(annotation) is list:
+        return list
+    return next((a for a in typing.get_args(annotation) if a is not type(None)), annotation)
+
+
+def _settings() -> tuple[Setting, ...]:
+    hints = typing.get_type_hints(NodeConfig)
+    return tuple(
+        Setting(name=f.name, kind=_kind(hints[f.name]),
+                default=f.default if f.default is not MISSING else f.default_factory(), **f.metadata["setting"])
+        for f in fields(NodeConfig)
+    )
+
+
+SETTINGS: tuple[Setting, ...] = _settings()  # every field of NodeConfig, in declaration order
+_BY_NAME = {s.name: s for s in SETTINGS}
 
 
 def default_config_path() -> Path:
+    """``meshd.toml`` in the user's platformdirs config folder, the file read when none is named."""
     return Path(platformdirs.user_config_dir("meshnet")) / "meshd.toml"
 
 
@@ -88,72 +281,68 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names where it came from."""
 
 
-def load_config(cli: dict, environ: os._Environ | dict = os.environ, path: Path | None = None) -> NodeConfig:
-    """Merge the sources in precedence order. ``cli`` holds only options the user gave."""
-    names = {f.name for f in fields(NodeConfig)}
-    merged: dict = {}
+def load_config(cli: dict, environ: Mapping[str, str] = os.environ, path: Path | None = None) -> NodeConfig:
+    """Merge the sources in precedence order, then check every value that was given, once.
+
+    ``cli`` maps field names to the options the user gave (None: not given). ``path`` is the TOML
+    file; without it ``MESHNET_CONFIG`` names it, else :func:`default_config_path`. A bad value is a
+    one-line :class:`ConfigError` naming its source: the file and key, the variable, or the flag.
+    """
     path = path or (Path(environ["MESHNET_CONFIG"]) if environ.get("MESHNET_CONFIG") else default_config_path())
-    if path.exists():
+    # field name -> (value, where it came from); a later source replaces an earlier one
+    given = _from_toml(path) | _from_environ(environ) | _from_cli(cli)
+    for name, (value, source) in given.items():
+        setting = _BY_NAME[name]
+        problem = setting.problem(value)
+        if problem:
+            raise ConfigError(f"{source} {problem}" + ("" if setting.secret else f", got {value!r}"))
+    return NodeConfig(**{name: _BY_NAME[name].normalized(value) for name, (value, _) in given.items()})
+
+
+def _from_toml(path: Path) -> dict[str, tuple[object, str]]:
+    if not path.exists():
+        return {}
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, OSError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    unknown = sorted(set(data) - set(_BY_NAME))
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {unknown}; known keys are {sorted(_BY_NAME)}")
+    for key, value in data.items():
+        if not _BY_NAME[key].has_type(value):
+            raise ConfigError(f"{path}: {key} must be {_BY_NAME[key].kind_name}, got {value!r}")
+    return {key: (value, f"{path}: {key}") for key, value in data.items()}
+
+
+def _from_environ(environ: Mapping[str, str]) -> dict[str, tuple[object, str]]:
+    given = {}
+    for setting in SETTINGS:
+        text = environ.get(setting.env_var, "")
+        if not text.strip():  # a blank variable is an unset one
+            continue
         try:
-            data = tomllib.loads(path.read_text())
-        except (tomllib.TOMLDecodeError, OSError) as exc:
-            raise ConfigError(f"{path}: {exc}") from None
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"{path}: unknown keys {unknown}; known keys are {sorted(names)}")
-        for key, value in data.items():
-            _check_toml_type(path, key, value)
-        merged.update(data)
-    for var, (name, parse) in _ENV.items():
-        if environ.get(var, "").strip():
-            try:
-                merged[name] = parse(environ[var])
-            except ValueError:
-                raise ConfigError(f"{var}={environ[var]!r} is not a valid {name}") from None
-    merged.update({k: v for k, v in cli.items() if v is not None})
-    config = NodeConfig(**merged)
-    if config.wire_dtype not in ("float32", "float16", "bfloat16"):
-        raise ConfigError(f"wire dtype must be float32, float16 or bfloat16, got {config.wire_dtype!r}")
-    if config.threads is not None and config.threads < 1:
-        raise ConfigError("threads must be at least 1")
-    if not 0.0 <= config.route_explore <= 1.0:
-        raise ConfigError(f"route explore must be between 0 and 1, got {config.route_explore}")
-    if not 0.0 <= config.failover_wait_seconds <= 3600:
-        raise ConfigError(f"failover wait must be between 0 and 3600 seconds, got {config.failover_wait_seconds}")
-    if not 0.1 <= config.hop_timeout_seconds <= 3600:
-        raise ConfigError(f"hop timeout must be between 0.1 and 3600 seconds, got {config.hop_timeout_seconds}")
-    if config.token is not None and not TOKEN_PATTERN.fullmatch(config.token):
-        raise ConfigError(f"the mesh token must be {TOKEN_RULE}")
-    if config.max_body_bytes < 1024:
-        raise ConfigError(f"max body bytes must be at least 1024, got {config.max_body_bytes}")
-    if config.max_tokens_cap < 1:
-        raise ConfigError(f"max tokens cap must be at least 1, got {config.max_tokens_cap}")
-    if config.max_generations < 1:
-        raise ConfigError(f"max generations must be at least 1, got {config.max_generations}")
-    if not 0.0 <= config.shutdown_grace_seconds <= 3600:
-        raise ConfigError(f"shutdown grace must be between 0 and 3600 seconds, got {config.shutdown_grace_seconds}")
-    if config.log_format not in ("auto", "text", "json"):
-        raise ConfigError(f"log format must be auto, text or json, got {config.log_format!r}")
-    return config
+            given[setting.name] = (setting.parse_text(text), setting.env_var)
+        except ValueError:
+            shown = "" if setting.secret else f"={text!r}"
+            expected = "one of " + ", ".join(_TRUE_WORDS + _FALSE_WORDS) if setting.kind is bool else setting.kind_name
+            raise ConfigError(f"{setting.env_var}{shown} is not {expected}") from None
+    return given
 
 
-_FIELD_TYPES = {
-    "model": (str,), "layers": (str,), "host": (str,), "port": (int,), "peers": (list,), "kv_cache": (bool,),
-    "threads": (int,), "kv_ttl_seconds": (int, float), "kv_max_sessions": (int,), "kv_max_bytes": (int,),
-    "wire_dtype": (str,), "max_tokens_default": (int,), "log_level": (str,), "public_url": (str,),
-    "route_explore": (int, float), "failover_wait_seconds": (int, float), "hop_timeout_seconds": (int, float),
-    "token": (str,), "max_body_bytes": (int,), "max_tokens_cap": (int,), "max_generations": (int,),
-    "shutdown_grace_seconds": (int, float), "log_format": (str,),
-}
-
-def _check_toml_type(path: Path, key: str, value) -> None:
-    expected = _FIELD_TYPES[key]
-    ok = isinstance(value, expected) and (bool in expected or not isinstance(value, bool))
-    if key == "peers":
-        ok = ok and all(isinstance(p, str) for p in value)
-    if not ok:
-        names = " or ".join(t.__name__ for t in expected)
-        raise ConfigError(f"{path}: {key} must be {names}, got {value!r}")
+def _from_cli(cli: dict) -> dict[str, tuple[object, str]]:
+    given = {}
+    for name, value in cli.items():
+        if value is None:  # not given
+            continue
+        setting = _BY_NAME.get(name)
+        if setting is None:
+            raise ConfigError(f"unknown option {name!r}")
+        source = setting.flag or name
+        if not setting.has_type(value):
+            raise ConfigError(f"{source} must be {setting.kind_name}, got {value!r}")
+        given[name] = (value, source)
+    return given
 
 
 def default_threads(config: NodeConfig) -> int:

@@ -8,11 +8,10 @@ worker thread writes and the aiohttp event loop reads, so every public method ta
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from daemon.api import StoreStats
@@ -62,29 +61,6 @@ class SessionCacheStore:
         self._hits = 0
         self._misses_by_reason = dict.fromkeys(CACHE_MISS_REASONS, 0)
         self._evictions = dict.fromkeys(EVICTION_REASONS, 0)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> SessionCacheStore:
-        """Build a store from ``MESHNET_KV_*`` variables; overrides that are not None win."""
-        kwargs = {}
-        for name, key, parse in (
-            ("MESHNET_KV_TTL_SECONDS", "ttl_seconds", float),
-            ("MESHNET_KV_MAX_SESSIONS", "max_sessions", int),
-            ("MESHNET_KV_MAX_BYTES", "max_bytes", int),
-        ):
-            raw = environ.get(name, "").strip()
-            if not raw:
-                continue
-            try:
-                value = parse(raw)
-            except ValueError:
-                raise ValueError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
-            in_range = value >= 0 if key == "max_bytes" else value > 0  # both False for NaN
-            if not in_range:
-                raise ValueError(f"{name}={raw!r} is out of range")
-            kwargs[key] = value
-        kwargs.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**kwargs)
 
     def put(
         self, session_id: str, cache: object, *, past_len: int, start_layer: int, nbytes: int

@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+from daemon.cli import _serve_parser
+from daemon.config import SETTINGS, load_config
+
 
 def meshd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True,
@@ -36,6 +39,86 @@ def test_a_bad_environment_value_names_the_variable(tmp_path):
     result = subprocess.run([sys.executable, "-m", "daemon.cli"], capture_output=True, text=True, timeout=60,
                             env={"PATH": "/usr/bin:/bin", "MESHNET_PORT": "seventy", "HOME": str(tmp_path)})
     assert result.returncode == 2 and "MESHNET_PORT" in result.stderr
+
+
+@pytest.mark.parametrize("env", [{"MESHNET_LOG_LEVEL": "verbose"}, {"MESHNET_KV_TTL_SECONDS": "0"},
+                                 {"MESHNET_KV_MAX_SESSIONS": "0"}, {"MESHNET_PORT": "65536"}])
+def test_a_bad_environment_value_is_one_line_not_a_traceback(tmp_path, env):
+    result = subprocess.run([sys.executable, "-m", "daemon.cli"], capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **env})
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("meshd: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert next(iter(env)) in result.stderr
+
+
+@pytest.mark.parametrize("args", [["--kv-ttl", "nan"], ["--port", "0"], ["--layers", "9-2"], ["--peer", "ftp://x"]])
+def test_a_bad_option_value_is_one_line_not_a_traceback(tmp_path, args):
+    result = subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"meshd: error: {args[0]} ") and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_every_meshd_option_comes_from_the_config_table():
+    options = {action.option_strings[-1]: action.dest for action in _serve_parser()._actions}
+    special = {"--help": "help", "--version": "version", "--config": "config"}
+    assert options == special | {s.flag: s.name for s in SETTINGS if s.flag}
+    # fields without a flag are set by the environment or the file only, on purpose
+    assert [s.name for s in SETTINGS if s.flag is None] == ["max_tokens_default"]
+
+
+def test_options_not_given_stay_none_so_the_environment_can_win():
+    args = vars(_serve_parser().parse_args([]))
+    assert args == dict.fromkeys([s.name for s in SETTINGS if s.flag] + ["config"])
+
+
+OPTION_CASES = [
+    (["--model", "/m"], "model", "/m"),
+    (["--layers", "0-14"], "layers", "0-14"),
+    (["--host", "0.0.0.0"], "host", "0.0.0.0"),
+    (["--port", "8001"], "port", 8001),
+    (["--peer", "http://127.0.0.1:7071", "--peer", "10.0.0.2:7072"], "peers",
+     ["http://127.0.0.1:7071", "10.0.0.2:7072"]),
+    (["--no-kv-cache"], "kv_cache", False),
+    (["--threads", "3"], "threads", 3),
+    (["--kv-ttl", "12.5"], "kv_ttl_seconds", 12.5),
+    (["--kv-max-sessions", "3"], "kv_max_sessions", 3),
+    (["--kv-max-bytes", "4096"], "kv_max_bytes", 4096),
+    (["--wire-dtype", "float16"], "wire_dtype", "float16"),
+    (["--log-level", "warning"], "log_level", "warning"),
+    (["--log-level", "DEBUG"], "log_level", "debug"),
+    (["--public-url", "http://node:9"], "public_url", "http://node:9"),
+    (["--route-explore", "0"], "route_explore", 0.0),
+    (["--failover-wait", "5"], "failover_wait_seconds", 5.0),
+    (["--hop-timeout", "2.5"], "hop_timeout_seconds", 2.5),
+    (["--token", "t" * 16], "token", "t" * 16),
+    (["--max-body-bytes", "2048"], "max_body_bytes", 2048),
+    (["--max-tokens-cap", "100"], "max_tokens_cap", 100),
+    (["--max-generations", "4"], "max_generations", 4),
+    (["--shutdown-grace", "0"], "shutdown_grace_seconds", 0.0),
+    (["--log-format", "json"], "log_format", "json"),
+]
+
+
+def test_every_flag_has_an_option_case():
+    assert {argv[0] for argv, _, _ in OPTION_CASES} == {s.flag for s in SETTINGS if s.flag}
+
+
+@pytest.mark.parametrize("argv, field, value", OPTION_CASES)
+def test_each_option_sets_its_field(tmp_path, argv, field, value):
+    args = vars(_serve_parser().parse_args(argv))
+    del args["config"]
+    assert getattr(load_config(args, {}, tmp_path / "absent.toml"), field) == value
+
+
+@pytest.mark.parametrize("argv", [["--log-level", "verbose"], ["--wire-dtype", "int8"], ["--port", "x"]])
+def test_argparse_refuses_what_it_can_check(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        _serve_parser().parse_args(argv)
+    assert info.value.code == 2
+    assert argv[0] in capsys.readouterr().err
 
 
 def test_a_busy_port_is_a_clear_error(tiny_model):

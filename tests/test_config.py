@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from daemon import config as config_module
 from daemon.api import format_layers, parse_layers
-from daemon.config import DEFAULT_PORT, ConfigError, NodeConfig, default_threads, load_config
+from daemon.config import DEFAULT_PORT, SETTINGS, ConfigError, NodeConfig, default_threads, load_config
 
 
 @pytest.fixture
@@ -179,6 +181,190 @@ def test_threads_must_be_positive(no_file, threads):
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+# ---- the session cache variables (read here only; the store no longer reads the environment) --------
+
+
+def test_kv_variables_are_read_and_explicit_options_win(no_file):
+    env = {"MESHNET_KV_TTL_SECONDS": "120.5", "MESHNET_KV_MAX_SESSIONS": "3", "MESHNET_KV_MAX_BYTES": "4096"}
+    cfg = load_config({}, env, no_file)
+    assert (cfg.kv_ttl_seconds, cfg.kv_max_sessions, cfg.kv_max_bytes) == (120.5, 3, 4096)
+    cfg = load_config({"kv_max_sessions": 9, "kv_max_bytes": None}, env, no_file)
+    assert (cfg.kv_max_sessions, cfg.kv_max_bytes) == (9, 4096)
+    defaults = load_config({}, {}, no_file)
+    assert (defaults.kv_ttl_seconds, defaults.kv_max_sessions, defaults.kv_max_bytes) == (600.0, 8, None)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("MESHNET_KV_TTL_SECONDS", "ten"),
+        ("MESHNET_KV_TTL_SECONDS", "0"),
+        ("MESHNET_KV_MAX_SESSIONS", "2.5"),
+        ("MESHNET_KV_MAX_SESSIONS", "-1"),
+        ("MESHNET_KV_MAX_BYTES", "lots"),
+        ("MESHNET_KV_MAX_BYTES", "-1"),
+        ("MESHNET_KV_TTL_SECONDS", "nan"),
+        ("MESHNET_KV_TTL_SECONDS", "inf"),
+    ],
+)
+def test_kv_variables_reject_bad_values_naming_the_variable(no_file, name, value):
+    with pytest.raises(ValueError, match=name):
+        load_config({}, {name: value}, no_file)
+
+
+# ---- the table of fields drives every source -----------------------------------------------------
+
+# a usable value of every field, none of them its default
+VALID = {
+    "model": "/models/x", "layers": "0-14", "host": "0.0.0.0", "port": 8001,
+    "peers": ["http://127.0.0.1:7071", "10.0.0.3:7072", "http://[::1]:7073"], "kv_cache": False, "threads": 3,
+    "kv_ttl_seconds": 12.5, "kv_max_sessions": 3, "kv_max_bytes": 0, "wire_dtype": "bfloat16",
+    "max_tokens_default": 64, "log_level": "debug", "public_url": "https://node.example:9",
+    "route_explore": 0.5, "failover_wait_seconds": 5.0, "hop_timeout_seconds": 2.5, "token": "t" * 16,
+    "max_body_bytes": 2048, "max_tokens_cap": 100, "max_generations": 4, "shutdown_grace_seconds": 0.0,
+    "log_format": "json",
+}
+
+# values every field must refuse, each from the source it can come from: "env" (text), "cli" or "toml" (typed)
+INVALID = {
+    "model": [("cli", ""), ("toml", "  ")],
+    "layers": [("env", "a-b"), ("env", "14-0"), ("cli", "0-x"), ("toml", "")],
+    "host": [("cli", ""), ("toml", " ")],
+    "port": [("env", "seventy"), ("env", "0"), ("env", "65536"), ("cli", -1), ("toml", 70000)],
+    "peers": [("env", "ftp://a:1"), ("cli", ["http://a:1", "http://b:99999"]), ("toml", ["http://"])],
+    "kv_cache": [("env", "maybe"), ("toml", "no")],
+    "threads": [("env", "2.5"), ("env", "0"), ("cli", -2), ("toml", 0)],
+    "kv_ttl_seconds": [("env", "0"), ("env", "-1"), ("env", "nan"), ("cli", float("inf")), ("toml", 0)],
+    "kv_max_sessions": [("env", "0"), ("env", "many"), ("cli", -1), ("toml", 0)],
+    "kv_max_bytes": [("env", "-1"), ("env", "1GB"), ("cli", -5), ("toml", -1)],
+    "wire_dtype": [("env", "int8"), ("cli", "int8"), ("toml", "float64")],
+    "max_tokens_default": [("env", "0"), ("env", "lots"), ("cli", -1), ("toml", 0)],
+    "log_level": [("env", "verbose"), ("cli", "trace"), ("toml", "critical")],
+    "public_url": [("env", "ftp://node"), ("cli", "http://"), ("toml", "http://node:0")],
+    "route_explore": [("env", "1.5"), ("env", "-0.1"), ("env", "nan"), ("cli", float("inf")), ("toml", 2)],
+    "failover_wait_seconds": [("env", "-1"), ("env", "3601"), ("env", "inf"), ("cli", float("nan"))],
+    "hop_timeout_seconds": [("env", "0"), ("env", "0.05"), ("env", "3601"), ("cli", float("-inf"))],
+    "token": [("env", "short"), ("cli", "has a space in it!"), ("toml", "x" * 257)],
+    "max_body_bytes": [("env", "1023"), ("env", "64MiB"), ("cli", 0), ("toml", -1)],
+    "max_tokens_cap": [("env", "0"), ("cli", -4), ("toml", 0)],
+    "max_generations": [("env", "0"), ("cli", -1), ("toml", 0)],
+    "shutdown_grace_seconds": [("env", "-1"), ("env", "3601"), ("env", "nan"), ("toml", 4000)],
+    "log_format": [("env", "xml"), ("cli", "yaml"), ("toml", "")],
+}
+
+# a value of the wrong type for each kind of field: the TOML file must refuse it
+WRONG_TYPE = {str: 5, int: "5", float: "5.0", bool: "no", list: "http://a:1"}
+
+
+def env_text(value) -> str:
+    """How a value is written in a MESHNET_* variable."""
+    if isinstance(value, list):
+        return ", ".join(value)
+    if isinstance(value, bool):
+        return "yes" if value else "off"
+    return str(value)
+
+
+def test_the_table_has_every_field_in_order():
+    assert [s.name for s in SETTINGS] == [f.name for f in fields(NodeConfig)]
+    assert {s.name: s.default for s in SETTINGS} == {f.name: getattr(NodeConfig(), f.name) for f in fields(NodeConfig)}
+
+
+def test_the_table_covers_every_field_in_these_tests():
+    # a new field must come with usable and unusable values here, so the tests below cover it
+    assert set(VALID) == set(INVALID) == {s.name for s in SETTINGS}
+
+
+def test_environment_variable_names_are_unchanged():
+    assert [s.env_var for s in SETTINGS] == [
+        "MESHNET_MODEL", "MESHNET_LAYERS", "MESHNET_HOST", "MESHNET_PORT", "MESHNET_PEERS", "MESHNET_KV_CACHE",
+        "MESHNET_THREADS", "MESHNET_KV_TTL_SECONDS", "MESHNET_KV_MAX_SESSIONS", "MESHNET_KV_MAX_BYTES",
+        "MESHNET_WIRE_DTYPE", "MESHNET_MAX_TOKENS_DEFAULT", "MESHNET_LOG_LEVEL", "MESHNET_PUBLIC_URL",
+        "MESHNET_ROUTE_EXPLORE", "MESHNET_FAILOVER_WAIT_SECONDS", "MESHNET_HOP_TIMEOUT_SECONDS", "MESHNET_TOKEN",
+        "MESHNET_MAX_BODY_BYTES", "MESHNET_MAX_TOKENS_CAP", "MESHNET_MAX_GENERATIONS",
+        "MESHNET_SHUTDOWN_GRACE_SECONDS", "MESHNET_LOG_FORMAT",
+    ]
+
+
+def test_the_defaults_pass_their_own_checks():
+    assert all(s.problem(s.default) is None for s in SETTINGS if s.default is not None)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+def test_every_field_is_read_from_its_environment_variable(no_file, setting):
+    value = VALID[setting.name]
+    assert value != setting.default
+    assert getattr(load_config({}, {setting.env_var: env_text(value)}, no_file), setting.name) == value
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+def test_every_field_is_a_toml_key(tmp_path, setting):
+    value = VALID[setting.name]
+    path = write_toml(tmp_path, f"{setting.name} = {json.dumps(value)}\n")
+    assert getattr(load_config({}, {}, path), setting.name) == value
+
+
+@pytest.mark.parametrize(("setting", "wrong"),
+                         [(s, WRONG_TYPE[s.kind]) for s in SETTINGS]
+                         + [(s, True) for s in SETTINGS if s.kind in (int, float)],  # a bool is no number
+                         ids=lambda case: case.name if hasattr(case, "name") else repr(case))
+def test_every_field_checks_its_toml_type(tmp_path, setting, wrong):
+    path = write_toml(tmp_path, f"{setting.name} = {json.dumps(wrong)}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config({}, {}, path)
+    assert str(info.value).startswith(f"{path}: {setting.name} must be {setting.kind_name}")
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
+def test_every_field_is_taken_from_the_command_line_dict(no_file, setting):
+    assert getattr(load_config({setting.name: VALID[setting.name]}, {}, no_file), setting.name) == VALID[setting.name]
+
+
+@pytest.mark.parametrize(("name", "source", "value"),
+                         [(name, source, value) for name, cases in INVALID.items() for source, value in cases])
+def test_every_invalid_value_is_a_one_line_error_naming_its_source(tmp_path, name, source, value):
+    setting = next(s for s in SETTINGS if s.name == name)
+    path = write_toml(tmp_path, f"{name} = {json.dumps(value)}\n" if source == "toml" else "")
+    env = {setting.env_var: value} if source == "env" else {}
+    cli = {name: value} if source == "cli" else {}
+    with pytest.raises(ConfigError) as info:
+        load_config(cli, env, path)
+    message = str(info.value)
+    assert "\n" not in message
+    expected = {"env": setting.env_var, "cli": setting.flag or name, "toml": f"{path}: {name}"}[source]
+    assert message.startswith(expected), message
+
+
+def test_an_invalid_value_overridden_by_a_valid_one_is_not_checked(tmp_path):
+    # checks apply to the merged value: a bad file value the environment replaces does not matter
+    path = write_toml(tmp_path, "kv_ttl_seconds = 0\nport = 0\n")
+    cfg = load_config({"port": 8001}, {"MESHNET_KV_TTL_SECONDS": "5"}, path)
+    assert (cfg.kv_ttl_seconds, cfg.port) == (5.0, 8001)
+
+
+def test_a_bad_token_is_never_echoed(no_file):
+    secret = "a secret with spaces"
+    with pytest.raises(ConfigError, match="MESHNET_TOKEN") as info:
+        load_config({}, {"MESHNET_TOKEN": secret}, no_file)
+    assert secret not in str(info.value)
+
+
+@pytest.mark.parametrize("raw", ["DEBUG", "Warning", " error "])
+def test_choices_match_in_any_case(no_file, raw):
+    assert load_config({}, {"MESHNET_LOG_LEVEL": raw}, no_file).log_level == raw.strip().lower()
+
+
+def test_toml_integers_are_read_as_floats_where_a_field_is_a_float(tmp_path):
+    cfg = load_config({}, {}, write_toml(tmp_path, "kv_ttl_seconds = 30\nroute_explore = 1\n"))
+    assert cfg.kv_ttl_seconds == 30.0 and isinstance(cfg.kv_ttl_seconds, float)
+    assert cfg.route_explore == 1.0 and isinstance(cfg.route_explore, float)
+
+
+@pytest.mark.parametrize("raw,expected", [("1", True), ("true", True), ("ON", True), ("off", False), ("No", False)])
+def test_kv_cache_words(no_file, raw, expected):
+    assert load_config({}, {"MESHNET_KV_CACHE": raw}, no_file).kv_cache is expected
 
 
 # ---- default_threads ---------------------------------------------------------------------------

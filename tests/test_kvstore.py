@@ -284,31 +284,6 @@ def test_stats_and_to_dict(clock):
     assert store.stats().evictions["ttl"] == 0
 
 
-def test_from_env_reads_variables_and_overrides_win(clock):
-    env = {"MESHNET_KV_TTL_SECONDS": "120.5", "MESHNET_KV_MAX_SESSIONS": "3", "MESHNET_KV_MAX_BYTES": "4096"}
-    store = SessionCacheStore.from_env(env, clock=clock)
-    assert (store.ttl_seconds, store.max_sessions, store.max_bytes) == (120.5, 3, 4096)
-    store = SessionCacheStore.from_env(env, max_sessions=9, max_bytes=None, clock=clock)
-    assert (store.max_sessions, store.max_bytes) == (9, 4096)
-    defaults = SessionCacheStore.from_env({})
-    assert (defaults.ttl_seconds, defaults.max_sessions, defaults.max_bytes) == (600.0, 8, None)
-
-
-@pytest.mark.parametrize(
-    ("name", "value"),
-    [
-        ("MESHNET_KV_TTL_SECONDS", "ten"),
-        ("MESHNET_KV_TTL_SECONDS", "0"),
-        ("MESHNET_KV_MAX_SESSIONS", "2.5"),
-        ("MESHNET_KV_MAX_SESSIONS", "-1"),
-        ("MESHNET_KV_MAX_BYTES", "lots"),
-    ],
-)
-def test_from_env_rejects_bad_values_naming_the_variable(name, value):
-    with pytest.raises(ValueError, match=name):
-        SessionCacheStore.from_env({name: value})
-
-
 def test_concurrent_put_checkout_commit_keeps_invariants():
     store = SessionCacheStore(max_sessions=5, max_bytes=5_000)
     errors: list[BaseException] = []
