@@ -39,6 +39,14 @@ def parse_layers(text: str, *, num_layers: int | None = None) -> tuple[int, int]
     return start, last + 1
 
 
+def normalize_url(url: str) -> str:
+    """``host:port`` or a URL -> ``http://host:port`` without a trailing slash; empty is a ValueError."""
+    url = url.strip().rstrip("/")
+    if not url:
+        raise ValueError("an empty address")
+    return url if "://" in url else f"http://{url}"
+
+
 @dataclass
 class ModelSummary:
     name: str
