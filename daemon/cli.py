@@ -15,6 +15,7 @@ import time
 
 from daemon import __version__
 from daemon.config import ConfigError, default_config_path, default_threads, is_loopback, load_config
+from daemon.server.loop import loop_factory as _loop_factory  # the name serve() and tests/test_cli.py use
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -175,20 +176,6 @@ def serve(argv: list[str]) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def _loop_factory():
-    """uvloop where it is installed (a hop's HTTP round trip costs less), else asyncio's own loop.
-
-    ``MESHNET_EVENT_LOOP=asyncio`` forces asyncio's loop (to compare the two).
-    """
-    if os.environ.get("MESHNET_EVENT_LOOP", "").strip().lower() == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 async def serve_until_stopped(app, node, config) -> None:
