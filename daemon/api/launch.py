@@ -30,6 +30,7 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import TextIO
 
 LOOPBACK = "127.0.0.1"
 STOP_GRACE_S = 5.0
@@ -179,7 +180,7 @@ class MeshdProcess:
         return subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.STDOUT,
                                 env=self.env, preexec_fn=_die_with_parent(), start_new_session=True)
 
-    def _read(self, popen: subprocess.Popen, log) -> None:
+    def _read(self, popen: subprocess.Popen, log: TextIO | None) -> None:
         """Drain the child's output whatever the caller is doing, so the pipe never fills."""
         try:
             for raw in popen.stdout:
