@@ -36,9 +36,14 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 
 def _fetch_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshd fetch-model", description="Fetch and convert the built-in model "
-                                "(SmolLM2-135M-Instruct) into the user cache folder, once.")
-    p.add_argument("--force", action="store_true", help="fetch and convert again even if cached")
+    p = argparse.ArgumentParser(prog="meshd fetch-model", description="Make a model ready to load, as "
+                                "`meshd --model` would, and say where it is: fetch and convert the built-in model "
+                                "(SmolLM2-135M-Instruct) into the user cache folder once, convert a .gguf file "
+                                "into it once, or check a model folder.")
+    p.add_argument("--model", help="a local Hugging Face model folder, a .gguf file, or the built-in "
+                   "default SmolLM2-135M-Instruct (used when absent)")
+    p.add_argument("--force", action="store_true", help="fetch and convert the built-in model again even if "
+                   "cached (not with --model)")
     return p
 
 
@@ -52,15 +57,23 @@ def _fail(message: str, code: int = 1) -> int:
 
 
 def fetch_model(argv: list[str]) -> int:
+    """``meshd fetch-model [--model SPEC]``: resolve a model spec into a loadable folder, with progress
+    on stderr, ending with a line ``meshd: ... is ready in PATH`` (the console reads PATH from it)."""
     from daemon.errors import ModelUnavailable
-    from daemon.model.source import fetch_default_model
+    from daemon.model.source import fetch_default_model, resolve_model
 
-    args = _fetch_parser().parse_args(argv)
+    parser = _fetch_parser()
+    args = parser.parse_args(argv)
+    if args.force and args.model is not None:
+        parser.error("--force fetches the built-in model again; it does not go with --model")
     try:
-        path = fetch_default_model(progress=_say, force=args.force)
+        if args.model is None:
+            path = fetch_default_model(progress=_say, force=args.force)
+        else:
+            path = resolve_model(args.model, progress=_say)
     except ModelUnavailable as exc:
         return _fail(exc.message)
-    _say(f"the built-in model is ready in {path}")
+    _say(f"{'the built-in model' if args.model is None else 'the model'} is ready in {path}")
     return 0
 
 
@@ -133,9 +146,11 @@ def node_app(node):
 
 def run(app, node) -> int:
     """Serve ``app`` until a signal stops it (see :func:`serve_until_stopped`), then leave at once."""
+    from daemon.server.loop import loop_factory
+
     config = node.config
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
             runner.run(serve_until_stopped(app, node))
     except OSError as exc:
         return _fail(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}")
@@ -153,20 +168,6 @@ def serve(argv: list[str]) -> int:
     except Refused as exc:
         return _fail(exc.message, exc.code)
     return run(node_app(node), node)
-
-
-def _loop_factory():
-    """uvloop where it is installed (a hop's HTTP round trip costs less), else asyncio's own loop.
-
-    ``MESHNET_EVENT_LOOP=asyncio`` forces asyncio's loop (to compare the two).
-    """
-    if os.environ.get("MESHNET_EVENT_LOOP", "").strip().lower() == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 async def serve_until_stopped(app, node) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import platformdirs
 
 from daemon.api import TOKEN_PATTERN, TOKEN_RULE, parse_layers
+from daemon.api.launch import host_cores
 
 DEFAULT_PORT = 7070
 
@@ -354,11 +355,6 @@ def default_threads(config: NodeConfig) -> int:
     """
     local_peers = sum(1 for p in config.peers if any(h in p for h in ("127.0.0.1", "localhost", "[::1]")))
     return max(1, host_cores() // (1 + local_peers))
-
-
-def host_cores() -> int:
-    """The cores this process may run on (its affinity, not the machine's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def is_loopback(host: str) -> bool:

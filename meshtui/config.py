@@ -27,7 +27,7 @@ from pathlib import Path
 import platformdirs
 import tomli_w
 
-from daemon.api import TOKEN_PATTERN, TOKEN_RULE
+from daemon.api import TOKEN_PATTERN, TOKEN_RULE, normalize_url  # normalize_url: the console imports it from here
 
 TOKEN_VARIABLE = "MESHNET_TOKEN"
 
@@ -138,11 +138,3 @@ class ConsoleConfig:
         self.peers.remove(url)
         self.save()
         return True
-
-
-def normalize_url(url: str) -> str:
-    """``host:port`` or a URL -> ``http://host:port`` without a trailing slash."""
-    url = url.strip().rstrip("/")
-    if not url:
-        raise ValueError("an empty address")
-    return url if "://" in url else f"http://{url}"

@@ -1,20 +1,20 @@
 """The embedded local mesh: ``meshd`` child processes on loopback, owned by the console.
 
 The console never imports torch or transformers: it reaches the model only by running ``meshd``
-(``python -m daemon.cli``) as child processes and talking HTTP to them. No widgets here either:
-progress goes to a ``progress(label, line)`` callback, called on the event loop that ran
-:meth:`LocalMesh.start`.
+(``python -m daemon.cli``, through :mod:`daemon.api.launch`) as child processes and talking HTTP to
+them. No widgets here either: progress goes to a ``progress(label, line)`` callback, called on the
+event loop that ran :meth:`LocalMesh.start`.
 
 No orphans: every child gets a parent-death signal (Linux ``PR_SET_PDEATHSIG``), so it is sent
 SIGTERM even when the console is killed with SIGKILL; :meth:`LocalMesh.stop` (also run at exit)
 stops the rest. The kernel sends that signal when the *thread* that started the child ends, so call
 ``start`` on an event loop running in the main thread (as ``App.run`` and ``asyncio.run`` do).
 
-Models: with no ``model``, ``meshd fetch-model`` fetches the built-in one (once per machine) and
-says where it is. A Hugging Face folder is read as it is. Anything else (a ``.gguf`` file, the
-built-in model's name) is resolved by a child with meshd's own code, which converts a ``.gguf`` once
-into meshd's cache, so the layer count comes from a ``config.json`` and every node loads the same
-converted folder instead of converting it again.
+Models: a Hugging Face folder is read as it is. Anything else (nothing: the built-in model; its
+name; a ``.gguf`` file) goes to ``meshd fetch-model [--model SPEC]``, which fetches the built-in
+model once per machine or converts a ``.gguf`` once into meshd's cache, and says where the folder
+is; so the layer count comes from a ``config.json`` and every node loads the same converted folder
+instead of converting it again.
 
 The mesh token: the children get the console's token (``MESHNET_TOKEN`` or the config's ``token``)
 through their environment, never on their command line, where ``ps`` would show it; the console's
@@ -30,41 +30,32 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import aiohttp
 
 from daemon.api import auth_headers, format_layers, parse_layers
-from daemon.config import host_cores
+from daemon.api.launch import (
+    LOOPBACK,
+    STOP_GRACE_S,
+    MeshdProcess,
+    describe_returncode,
+    free_port,
+    host_cores,
+    node_url,
+    stop_all,
+)
 from meshtui.config import TOKEN_VARIABLE
 
 Progress = Callable[[str, str], None]
 
-LOOPBACK = "127.0.0.1"
 READY_TIMEOUT_S = 300.0  # a first start on a slow machine imports torch and loads weights per node
-STOP_GRACE_S = 5.0
-TAIL_LINES = 40
-
-# Resolves a model spec into a safetensors folder with meshd's own code, in a child process.
-_RESOLVE_MODEL = """\
-import sys
-from daemon.errors import ModelUnavailable
-from daemon.model.source import resolve_model
-say = lambda message: print(f"meshd: {message}", file=sys.stderr, flush=True)
-try:
-    folder = resolve_model(sys.argv[1], progress=say)
-except ModelUnavailable as exc:
-    say(f"error: {exc.message}")
-    sys.exit(1)
-say(f"the model is ready in {folder}")
-"""
-_READY_IN = re.compile(r"ready in (.+)$")
+_READY_IN = re.compile(r"ready in (.+)$", re.MULTILINE)  # meshd fetch-model's last line names the folder
 
 
 class LocalMeshError(RuntimeError):
@@ -108,98 +99,6 @@ def model_num_layers(folder: Path) -> int:
     raise LocalMeshError(f"{folder}/config.json names no num_hidden_layers")
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    """A port nobody listens on right now (the OS picks it)."""
-    import socket
-
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _url(host: str, port: int) -> str:
-    host = LOOPBACK if host in ("", "0.0.0.0") else "::1" if host == "::" else host
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` asking Linux to SIGTERM the child when its parent dies (None elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded before fork: only a call happens after it
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died between fork and prctl: nobody will stop us
-            os._exit(1)
-
-    return preexec
-
-
-def describe_returncode(code: int | None) -> str:
-    if code is None:
-        return "running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-class _Child:
-    """One child process whose merged stdout/stderr a thread drains line by line, whatever the
-    event loop is doing, so the pipe never fills and the last lines are at hand for errors."""
-
-    def __init__(self, label: str, argv: list[str], *, env: dict[str, str], on_line: Callable[[str, str], None],
-                 on_exit: Callable[[str, int], None], log_path: Path | None) -> None:
-        self.label = label
-        self.argv = argv
-        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self._on_line = on_line
-        self._on_exit = on_exit
-        self._log = open(log_path, "a", encoding="utf-8") if log_path else None
-        self.process = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=env | {"PYTHONUNBUFFERED": "1"},
-            preexec_fn=_die_with_parent(),
-            start_new_session=True,  # the terminal's signals go to the console, which stops us in order
-        )
-        self.reader = threading.Thread(target=self._read, name=f"{label} output", daemon=True)
-        self.reader.start()
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for raw in self.process.stdout:
-            # a progress bar redraws itself with carriage returns: its last state is the line
-            line = raw.decode("utf-8", "replace").rstrip("\r\n").rsplit("\r", 1)[-1]
-            self.tail.append(line)
-            if self._log:
-                self._log.write(line + "\n")
-                self._log.flush()
-            self._on_line(self.label, line)
-        self.process.stdout.close()
-        if self._log:
-            self._log.close()
-        self._on_exit(self.label, self.process.wait())
-
-    def last_output(self, lines: int = 12) -> str:
-        """The last lines it printed, indented, once its output has ended (or after a short wait)."""
-        self.reader.join(timeout=2.0)
-        return "\n".join(f"  {line}" for line in list(self.tail)[-lines:]) or "  (no output)"
-
-
 @dataclass
 class LocalNode:
     """One ``meshd`` of the local mesh."""
@@ -208,16 +107,20 @@ class LocalNode:
     layers: str | None  # inclusive; None until start has planned it
     port: int
     url: str
-    argv: list[str] = field(default_factory=list)
-    child: _Child | None = field(default=None, repr=False)
+    child: MeshdProcess | None = field(default=None, repr=False)
+
+    @property
+    def argv(self) -> list[str]:
+        """Its meshd's command line (empty until started)."""
+        return self.child.argv if self.child else []
 
     @property
     def process(self) -> subprocess.Popen | None:
-        return self.child.process if self.child else None
+        return self.child.popen if self.child else None
 
     @property
     def returncode(self) -> int | None:
-        return self.child.process.poll() if self.child else None
+        return self.child.poll() if self.child else None
 
 
 class LocalMesh:
@@ -249,14 +152,14 @@ class LocalMesh:
         self.child_env = env | ({TOKEN_VARIABLE: token} if token else {})
         self._headers = auth_headers(token)
         ports = [base_port + i for i in range(nodes)] if base_port else [free_port(host) for _ in range(nodes)]
-        self.urls: list[str] = [_url(host, p) for p in ports]
+        self.urls: list[str] = [node_url(host, p) for p in ports]
         self.head_url: str = self.urls[0]
         self.nodes: list[LocalNode] = [LocalNode(label="node", layers=None, port=p, url=u)
                                        for p, u in zip(ports, self.urls)]
         self.reused = False  # head_only found a daemon already serving and started nothing
         self.threads = max(1, host_cores() // nodes)
         self._head_only = False
-        self._children: list[_Child] = []
+        self._children: list[MeshdProcess] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._progress: Progress | None = None
         self._started = False
@@ -308,10 +211,9 @@ class LocalMesh:
                 node.label = f"node {layers}"
                 others = [u for u in self.urls if u != node.url]
                 remote = [p for p in self.peers if p not in self.urls] if i == 0 else []
-                node.argv = [sys.executable, "-m", "daemon.cli", "--model", str(folder), "--layers", layers,
-                             "--host", self.host, "--port", str(node.port), "--threads", str(self.threads),
-                             *[arg for url in [*others, *remote] for arg in ("--peer", url)]]
-                node.child = self._spawn(node.label, node.argv)
+                args = ["--model", str(folder), "--layers", layers, "--host", self.host, "--port", str(node.port),
+                        "--threads", str(self.threads), *[arg for url in [*others, *remote] for arg in ("--peer", url)]]
+                node.child = self._spawn(node.label, args)
             await self.wait_ready(READY_TIMEOUT_S)
         except BaseException:
             self.stop()
@@ -350,33 +252,20 @@ class LocalMesh:
         """SIGTERM every child, give them a few seconds, then SIGKILL what is left. Idempotent."""
         with self._stop_lock:
             self._stopping = True
-            running = [c for c in self._children if c.process.poll() is None]
-            for child in running:
-                try:
-                    child.process.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + STOP_GRACE_S
-            for child in running:
-                try:
-                    child.process.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    child.process.kill()
-                    child.process.wait()
+            stop_all(self._children, signum=signal.SIGTERM, grace=STOP_GRACE_S)
         atexit.unregister(self.stop)
 
     # -- inside start ---------------------------------------------------------------------------
 
-    def _spawn(self, label: str, argv: list[str], *, report_exit: bool = True) -> _Child:
-        log_path = None
-        if self.log_dir:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            log_path = self.log_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "-", label) + ".log")
+    def _spawn(self, label: str, args: list[str], *, report_exit: bool = True) -> MeshdProcess:
+        """``meshd ARGS`` whose lines reach ``progress`` under ``label`` (and its log file, with a log_dir)."""
+        log_path = self.log_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "-", label) + ".log") if self.log_dir else None
         with self._stop_lock:
             if self._stopping:
                 raise LocalMeshError("the local mesh is stopping")
-            on_exit = self._report_exit if report_exit else lambda label, code: None
-            child = _Child(label, argv, env=self.child_env, on_line=self._deliver, on_exit=on_exit, log_path=log_path)
+            child = MeshdProcess(args, label=label, env=self.child_env, log_path=log_path,
+                                 on_line=partial(self._deliver, label),
+                                 on_exit=partial(self._report_exit, label) if report_exit else None)
             self._children.append(child)
         return child
 
@@ -397,19 +286,15 @@ class LocalMesh:
         """The safetensors folder every node loads, fetched or converted by a child when needed."""
         if self.model is not None and (Path(self.model) / "config.json").is_file():
             return Path(self.model).resolve()
-        if self.model is None:
-            argv = [sys.executable, "-m", "daemon.cli", "fetch-model"]
-        else:
-            argv = [sys.executable, "-c", _RESOLVE_MODEL, self.model]
-        child = self._spawn("model", argv, report_exit=False)
-        while child.process.poll() is None:
+        child = self._spawn("model", ["fetch-model", *(["--model", self.model] if self.model is not None else [])],
+                            report_exit=False)
+        while child.poll() is None:
             await asyncio.sleep(0.1)
-        child.reader.join(timeout=2.0)
-        found = [m.group(1) for m in map(_READY_IN.search, child.tail) if m]
-        if child.process.returncode != 0 or not found:
+        output = child.last_output()
+        found = _READY_IN.findall(output)
+        if child.returncode != 0 or not found:
             what = "fetching the built-in model" if self.model is None else f"preparing the model {self.model}"
-            raise LocalMeshError(f"{what} failed ({describe_returncode(child.process.returncode)}):\n"
-                                 f"{child.last_output()}")
+            raise LocalMeshError(f"{what} failed ({describe_returncode(child.returncode)}):\n{output}")
         return Path(found[-1].strip())
 
     async def _plan_layers(self, num_layers: int, progress: Progress) -> list[str]:

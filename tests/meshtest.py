@@ -6,20 +6,14 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from daemon.api.launch import MeshdProcess, free_port, node_url
 
 
 def http_json(method: str, url: str, body: dict | None = None, timeout: float = 300.0,
@@ -42,47 +36,39 @@ class Daemon:
                  port: int | None = None, peer_urls: list[str] = (), variant: str | None = None) -> None:
         """``variant``: a test-only twist on meshd (see ``tests.meshd_variants``)."""
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = node_url("127.0.0.1", self.port)
         self.layers = layers
-        program = ["tests.meshd_variants", variant] if variant else ["daemon.cli"]
-        argv = [sys.executable, "-m", *program, "--model", str(model), "--layers", layers,
-                "--port", str(self.port), "--threads", str(threads), *extra]
+        args = ["--model", str(model), "--layers", layers, "--port", str(self.port), "--threads", str(threads), *extra]
         for url in [p.url for p in peers] + list(peer_urls):
-            argv += ["--peer", url]
+            args += ["--peer", url]
         self.log_path = (log_dir or Path("/tmp")) / f"meshd-{self.port}.log"
-        self._argv, self._env = argv, os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {})
-        self.token = self._env.get("MESHNET_TOKEN")  # sent on every request this helper makes
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=self._env)
+        env = os.environ | (env or {})
+        self.token = env.get("MESHNET_TOKEN")  # sent on every request this helper makes
+        module = "tests.meshd_variants" if variant else "daemon.cli"
+        self.process = MeshdProcess([variant, *args] if variant else args, module=module, label=f"meshd {layers}",
+                                    env=env, log_path=self.log_path)
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        """The node's current process (a new one after :meth:`restart`), for tests that signal or inspect it."""
+        return self.process.popen
 
     def kill(self) -> None:
         """SIGKILL: the node vanishes mid-whatever, as on a crash or a pulled cable."""
-        self.proc.kill()
-        self.proc.wait()
+        self.process.kill()
 
     def restart(self) -> Daemon:
         """Start the same node again on the same port (after :meth:`kill` or :meth:`stop`)."""
-        self._log.write(b"\n----- restarted -----\n")
-        self._log.flush()
-        self.proc = subprocess.Popen(self._argv, stdout=self._log, stderr=subprocess.STDOUT, env=self._env)
+        self.process.restart()
         return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 180.0) -> Daemon:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"meshd {self.layers} exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                status, _ = http_json("GET", self.url + "/health", timeout=2)
-                if status == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"meshd {self.layers} not ready after {timeout} s:\n{self.log()}")
+        """Wait until it answers /health; raises (quoting its log) if it exits first or times out."""
+        self.process.wait_ready(self.url, timeout)
+        return self
 
     def wait_peers(self, count: int, timeout: float = 30.0) -> None:
         """Wait until this node sees ``count`` peers up (peers are polled every 2 s)."""
@@ -123,21 +109,14 @@ class Daemon:
             conn.close()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        self.process.stop(signal.SIGINT, grace=10.0)
 
 
 def start_mesh(model, specs: list[tuple[str, list[str]]], *, log_dir=None, env=None) -> list[Daemon]:
     """Start one node per ``(layers, extra args)``, each knowing all the others; the first is the head."""
     daemons: list[Daemon] = []
     ports = [free_port() for _ in specs]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    urls = [node_url("127.0.0.1", p) for p in ports]
     try:
         for i, ((layers, extra), port) in enumerate(zip(specs, ports)):
             others = urls[:i] + urls[i + 1:]

@@ -135,9 +135,9 @@ def test_a_busy_port_is_a_clear_error(tiny_model):
 def test_meshd_runs_on_uvloop_unless_told_otherwise(monkeypatch):
     import uvloop
 
-    from daemon.cli import _loop_factory
+    from daemon.server.loop import loop_factory
 
     monkeypatch.delenv("MESHNET_EVENT_LOOP", raising=False)
-    assert _loop_factory() is uvloop.new_event_loop
+    assert loop_factory() is uvloop.new_event_loop
     monkeypatch.setenv("MESHNET_EVENT_LOOP", "asyncio")
-    assert _loop_factory() is None  # asyncio's own loop, to compare the two
+    assert loop_factory() is None  # asyncio's own loop, to compare the two

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from daemon.config import host_cores
+from daemon.api.launch import host_cores
 from meshtui.local import (
     LocalMesh,
     LocalMeshError,

@@ -30,7 +30,7 @@ from daemon.api.shapes import (
 __all__ = [
     "GenerationStats", "Hop", "HopTotals", "ModelSummary", "NodeMeasurement", "NodeStatus", "PeerSummary",
     "RouteEvent", "RouteHopInfo", "RouteInfo", "Sampling", "SessionInfo", "SessionList", "StoreStats",
-    "TOKEN_PATTERN", "TOKEN_RULE", "auth_headers", "format_layers", "parse_layers",
+    "TOKEN_PATTERN", "TOKEN_RULE", "auth_headers", "format_layers", "normalize_url", "parse_layers",
 ]
 
 # the mesh token: printable ASCII without spaces (it travels in an HTTP header), 16-256 characters
@@ -41,3 +41,11 @@ TOKEN_RULE = "16-256 printable ASCII characters without spaces"
 def auth_headers(token: str | None) -> dict[str, str]:
     """The header that carries the mesh token on every request (none without a token)."""
     return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` or a URL -> ``http://host:port`` without a trailing slash; empty is a ValueError."""
+    url = url.strip().rstrip("/")
+    if not url:
+        raise ValueError("an empty address")
+    return url if "://" in url else f"http://{url}"

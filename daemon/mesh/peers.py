@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from daemon.api import PeerSummary
+from daemon.api import PeerSummary, normalize_url
 from daemon.mesh.routing import Candidate
 
 FORGET_AFTER_SECONDS = 60.0  # a learned peer down this long is dropped; seeds are kept for good
@@ -48,11 +48,6 @@ class PeerState:
         if self.up or self.down_since is None:
             self.down_since = now
         self.up, self.error = False, error
-
-
-def normalize_url(url: str) -> str:
-    url = url.strip().rstrip("/")
-    return url if "://" in url else f"http://{url}"
 
 
 def _plausible_url(value) -> bool:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from daemon.config import host_cores
+from daemon.api.launch import host_cores
 
 RESCAN_SECONDS = 1.0  # how often the folder is listed for daemons that came or went
 

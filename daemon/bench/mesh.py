@@ -1,0 +1,166 @@
+"""The mesh under test: ``meshd`` processes on 127.0.0.1, the first one the head, and what one generation
+on them measured."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from daemon.api import auth_headers
+from daemon.api.launch import LOOPBACK, MeshdProcess, free_port, node_url, stop_all
+from daemon.bench.progress import Progress
+from daemon.bench.reference import PROMPT
+
+
+class Mesh:
+    """meshd processes on 127.0.0.1, the first one the head; stopped by :meth:`stop`.
+
+    ``specs``: per node, its inclusive layer range and extra arguments.
+    """
+
+    def __init__(self, name: str, specs: list[tuple[str, list[str]]], model: str | None = None,
+                 threads: int | None = None) -> None:
+        self.name, self.specs, self.model, self.threads = name, specs, model, threads
+        # a mesh with a token (the daemons inherit MESHNET_TOKEN) wants it on every request
+        self.headers = {"Content-Type": "application/json"} | auth_headers(os.environ.get("MESHNET_TOKEN"))
+        self.log_dir = Path(tempfile.mkdtemp(prefix="meshd-bench-"))
+        self.procs: list[MeshdProcess] = []
+        ports = [free_port() for _ in self.specs]
+        self.port = ports[0]
+        for i, ((layers, extra), port) in enumerate(zip(self.specs, ports)):
+            args = ["--layers", layers, "--port", str(port), *extra]
+            args += ["--model", self.model] if self.model else []
+            args += ["--threads", str(self.threads)] if self.threads else []
+            args += [a for p in ports if p != port for a in ("--peer", node_url(LOOPBACK, p))]
+            self.procs.append(MeshdProcess(args, label=f"{self.name} node {layers}",
+                                           log_path=self.log_dir / f"{self.name.replace(' ', '-')}-{i}.log"))
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                break
+            try:
+                if sum(p["up"] for p in self._request("GET", "/v1/status")["peers"]) >= len(self.specs) - 1:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"the {self.name} mesh did not come up; logs in {self.log_dir}")
+
+    def _request(self, method: str, path: str, body: dict | None = None, timeout: float = 5.0) -> dict:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, json.dumps(body) if body is not None else None, self.headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"{method} {path} answered {resp.status}: {data[:300]!r}")
+            return json.loads(data)
+        finally:
+            conn.close()
+
+    def generate(self, tokens: int, progress: Progress | None = None) -> dict:
+        """One streamed generation of exactly ``tokens`` tokens; its ``meshnet`` statistics."""
+        body = {"messages": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        try:
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), self.headers)
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"the {self.name} mesh answered {resp.status}: {resp.read()[:300]!r}")
+            stats = None
+            while line := resp.readline():
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(f"the {self.name} mesh failed: {event['error']}")
+                if "meshnet" in event:
+                    stats = event["meshnet"]
+                elif progress is not None and event["choices"] and event["choices"][0]["delta"].get("content"):
+                    progress.step()
+        finally:
+            conn.close()
+        if stats is None:
+            raise RuntimeError(f"the {self.name} mesh ended the stream without its statistics")
+        return stats
+
+    def measure(self, tokens: int) -> dict:
+        """One generation of ``tokens`` tokens with a progress line: the table's numbers."""
+        progress = Progress(f"{self.name}, {tokens} tokens", tokens)
+        stats = self.generate(tokens, progress)
+        progress.end()
+        return mesh_row(stats)
+
+    def stop(self) -> None:
+        """SIGINT every node, give them 15 s together, then SIGKILL what is left."""
+        stop_all(self.procs, signum=signal.SIGINT, grace=15.0)
+
+
+def mesh_row(stats: dict) -> dict:
+    """The table's numbers from one generation's ``meshnet`` statistics."""
+    remote = [h for h in stats["decode_hops"] if not h["local"] and h["steps"]]
+    local = [h for h in stats["decode_hops"] if h["local"] and h["steps"]]
+    steps = sum(h["steps"] for h in remote)
+
+    def per_step(key: str, hops: list[dict], n: int) -> float | None:
+        return sum(h[key] for h in hops) / n if n else None
+
+    overhead = sum(h["latency_ms"] - h["compute_ms"] for h in remote) / steps if steps else None
+    local_steps = sum(h["steps"] for h in local)
+    return {
+        # a stateless mesh has no prefill step: its first token's time is the prefill
+        "prefill_ms": stats["prefill_ms"] or stats["first_token_ms"],
+        "decode_tps": stats["decode_tokens_per_second"],
+        "step_ms": stats["step_ms"],
+        "token_ids": stats["token_ids"],
+        "reprefills": stats["reprefills"],
+        "payload_bytes_per_hop_step": per_step("payload_bytes", remote, steps),
+        "wire_bytes_per_hop_step": per_step("sent_bytes", remote, steps),
+        "reply_bytes_per_hop_step": per_step("received_bytes", remote, steps),
+        "overhead_ms_per_hop_step": overhead,
+        "local_overhead_ms_per_step": (sum(h["latency_ms"] - h["compute_ms"] for h in local) / local_steps
+                                       if local_steps else None),
+        "hops": stats["decode_hops"],
+    }
+
+
+def many_sessions(mesh: Mesh, sessions: int, tokens: int) -> dict:
+    """Aggregate tokens/s of ``sessions`` generations started together (every token over the wall time)."""
+    results: list[dict] = []
+    errors: list[BaseException] = []
+    progress = Progress(f"{mesh.name}, {sessions} concurrent session(s) of {tokens} tokens", sessions * tokens)
+    lock = threading.Lock()
+
+    def one() -> None:
+        try:
+            stats = mesh.generate(tokens, progress)
+            with lock:
+                results.append(stats)
+        except BaseException as exc:  # noqa: BLE001 - reported below, after the others finish
+            errors.append(exc)
+
+    started = time.perf_counter()
+    workers = [threading.Thread(target=one) for _ in range(sessions)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    wall = time.perf_counter() - started
+    progress.end()
+    if errors:
+        raise errors[0]
+    total = sum(s["completion_tokens"] for s in results)
+    return {
+        "sessions": sessions,
+        "tokens_each": tokens,
+        "wall_s": wall,
+        "aggregate_tps": total / wall,
+        "mean_session_decode_tps": sum(s["decode_tokens_per_second"] for s in results) / len(results),
+    }

@@ -1,0 +1,116 @@
+"""What a run reports: the throughput windows, the targets each run is held to, the machine, the table."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+from daemon.api.launch import host_cores
+
+WINDOW = 10  # steps in the first-N and last-N throughput windows
+
+# The targets of the performance work, checked against every run (see README, "Speed").
+TARGET_RATIO = 0.9  # two-node cached decode vs generate
+TARGET_DECAY = 0.9  # last-10 over first-10 tokens/s, over 512 tokens
+TARGET_VS_STATELESS = 4.0  # cached over stateless decode at 512 tokens
+TARGET_OVERHEAD_MS = 3.0  # per hop per decode step, on loopback
+TARGET_EXTRA_BYTES = 512  # a decode hop's request may exceed hidden size x 4 bytes by this much
+
+
+def window_tps(step_ms: list[float], *, last: bool) -> float | None:
+    """Tokens per second over the first (or last) ``WINDOW`` decode steps."""
+    steps = step_ms[-WINDOW:] if last else step_ms[:WINDOW]
+    return len(steps) * 1000.0 / sum(steps) if steps and sum(steps) > 0 else None
+
+
+def machine() -> dict:
+    """This host as the JSON records it: cores, CPU, memory, versions, load."""
+    import torch
+    import transformers
+
+    cpu = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor() or "unknown")
+    mem = next((int(line.split()[1]) * 1024 for line in _read_lines("/proc/meminfo")
+                if line.startswith("MemTotal")), None)
+    return {
+        "cores": host_cores(),
+        "cpu": cpu, "memory_bytes": mem, "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+def check_targets(rows: list[dict], hidden_size: int) -> list[dict]:
+    """Each target of the README's "Speed" section against this run's rows (where the run measured it)."""
+    by = {(r["setup"], r["new_tokens"]): r for r in rows}
+    counts = sorted({r["new_tokens"] for r in rows})
+    long = max((n for n in counts if n >= 512), default=None)
+    checks = []
+
+    def check(name: str, value, limit: float, *, at_least: bool) -> None:
+        if value is not None:
+            ok = value >= limit if at_least else value <= limit
+            checks.append({"target": name, "value": value, "limit": limit, "at_least": at_least, "met": ok})
+
+    for n in counts:
+        cached = by.get(("mesh, 2 nodes, cached", n))
+        if cached is not None:
+            check(f"2-node cached vs generate, {n} tokens", cached.get("ratio"), TARGET_RATIO, at_least=True)
+    if long is not None and (cached := by.get(("mesh, 2 nodes, cached", long))):
+        check(f"2-node cached last-{WINDOW} / first-{WINDOW} tokens/s, {long} tokens", cached["decay"],
+              TARGET_DECAY, at_least=True)
+        stateless = by.get(("mesh, 2 nodes, stateless", long))
+        if stateless is not None and stateless["decode_tps"]:
+            check(f"2-node cached vs stateless, {long} tokens", cached["decode_tps"] / stateless["decode_tps"],
+                  TARGET_VS_STATELESS, at_least=True)
+    for setup in ("mesh, 2 nodes, cached", "mesh, 3 nodes, cached"):
+        measured = [r for r in rows if r["setup"] == setup and r.get("overhead_ms_per_hop_step") is not None]
+        if measured:
+            check(f"{setup}: overhead per hop per decode step (ms)",
+                  max(r["overhead_ms_per_hop_step"] for r in measured), TARGET_OVERHEAD_MS, at_least=False)
+            check(f"{setup}: bytes sent per hop per decode step",
+                  max(r["wire_bytes_per_hop_step"] for r in measured), hidden_size * 4 + TARGET_EXTRA_BYTES,
+                  at_least=False)
+    return checks
+
+
+def _fmt(value, spec: str, width: int) -> str:
+    return f"{value:{width}{spec}}" if value is not None else f"{'-':>{width}}"
+
+
+def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floor: dict) -> None:
+    """The run's rows, concurrent sessions, loopback floor and targets, as a table on stdout."""
+    header = (f"{'setup':<34} {'tokens':>6} {'prefill ms':>10} {'tok/s':>7} {'first10':>7} {'last10':>7} "
+              f"{'decay':>5} {'B/hop/step':>10} {'ovh ms/hop':>10} {'vs gen':>7} {'same':>4}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        same = {True: "yes", False: "NO", None: "-"}[r.get("tokens_match")]
+        print(f"{r['setup']:<34} {r['new_tokens']:>6} {_fmt(r['prefill_ms'], '.1f', 10)} "
+              f"{_fmt(r['decode_tps'], '.2f', 7)} {_fmt(r['first10_tps'], '.2f', 7)} "
+              f"{_fmt(r['last10_tps'], '.2f', 7)} {_fmt(r['decay'], '.2f', 5)} "
+              f"{_fmt(r.get('wire_bytes_per_hop_step'), '.0f', 10)} "
+              f"{_fmt(r.get('overhead_ms_per_hop_step'), '.2f', 10)} {_fmt(r['ratio'], '.2f', 6)}x {same:>4}")
+    if sessions:
+        print()
+        print(f"{'concurrent sessions (2 nodes, cached)':<40} {'tokens each':>11} {'wall s':>8} "
+              f"{'aggregate tok/s':>16}")
+        for s in sessions:
+            print(f"{s['sessions']:<40} {s['tokens_each']:>11} {s['wall_s']:>8.1f} {s['aggregate_tps']:>16.2f}")
+    print()
+    print(f"loopback floor: a bare hop on the same HTTP stack with one hand-off to a worker thread costs "
+          f"{floor['median_ms']:.2f} ms (median; min {floor['min_ms']:.2f}) around a {floor['pause_ms']:.0f} ms "
+          "pause on this host")
+    if checks:
+        print()
+        for c in checks:
+            op = ">=" if c["at_least"] else "<="
+            print(f"{'met ' if c['met'] else 'MISS'} {c['target']}: {c['value']:.2f} (target {op} {c['limit']:g})")

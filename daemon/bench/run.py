@@ -1,0 +1,174 @@
+"""``meshd bench``: the mesh measured side by side with one process running the same model.
+
+Every row runs in this one invocation on this one machine, so the ratios are
+comparable even on a shared, noisy host. For each number of new tokens it
+measures single-process ``transformers`` ``generate`` (the limit), a two-node
+mesh with the KV cache, the same mesh stateless (``--no-kv-cache``) and a
+three-node mesh, then many sessions at once on the two-node mesh. Each mesh run
+follows a run of ``generate`` straight before it, and a mesh row's ratio is the
+median of those pairs' ratios. It prints a table and writes the same numbers,
+with the targets they are held to, as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+from daemon.api.launch import host_cores
+from daemon.bench.floor import loopback_floor
+from daemon.bench.mesh import Mesh, many_sessions
+from daemon.bench.progress import say
+from daemon.bench.reference import Reference
+from daemon.bench.report import check_targets, machine, print_table, window_tps
+
+SETUPS = ("generate", "cached", "stateless", "three")
+
+
+def fastest(times: int, run, *args) -> dict:
+    """Of ``times`` calls of ``run(*args)``, the one with the most decode tokens/s (the least disturbed)."""
+    results = [run(*args) for _ in range(times)]
+    best = max(results, key=lambda r: r["decode_tps"] or 0.0)
+    return best | {"runs": times, "decode_tps_runs": [r["decode_tps"] for r in results]}
+
+
+def _thirds(n: int) -> list[str]:
+    cuts = [0, round(n / 3), round(2 * n / 3), n]
+    return [f"{a}-{b - 1}" for a, b in zip(cuts, cuts[1:])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``meshd bench [options]``: measure, print the table, write the JSON; 0 when the run completed."""
+    parser = argparse.ArgumentParser(prog="meshd bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model (default: the built-in one)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512],
+                        help="new tokens per run (default 128 512)")
+    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS),
+                        help="what to measure (default all): generate, cached (2 nodes), stateless (2 nodes), "
+                        "three (3 nodes, cached)")
+    parser.add_argument("--threads", type=int, help="torch threads per daemon (default: meshd's own, which shares "
+                        "the cores among the daemons computing at each moment)")
+    parser.add_argument("--reference-threads", type=int, nargs="+",
+                        help="torch threads of single-process generate; the fastest is the reference (default: "
+                        "1 and every core: on a loaded host one thread can beat all of them)")
+    parser.add_argument("--sessions", type=int, default=4,
+                        help="concurrent sessions measured next to one on the cached 2-node mesh (0: skip; default 4)")
+    parser.add_argument("--session-tokens", type=int, default=128, help="new tokens per concurrent session")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each generate and cached row this many times and keep the fastest, against "
+                        "a noisy host; each mesh run is paired with a generate run just before it (the slow "
+                        "stateless rows run once; default 1)")
+    parser.add_argument("--json", default="bench-results/bench.json", help="where to write the results")
+    args = parser.parse_args(argv)
+    if min(args.tokens) < 2:
+        parser.error("--tokens must be at least 2 (one prefill, one decode step)")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
+
+    from daemon.model.shard import read_model_info
+    from daemon.model.source import resolve_model
+
+    folder = resolve_model(args.model, progress=say)
+    info = read_model_info(folder)
+    n = info.num_layers
+    half = n // 2
+    cores = host_cores()
+    host = machine()
+    meshes = {
+        "cached": ("mesh, 2 nodes, cached", [(f"0-{half - 1}", []), (f"{half}-{n - 1}", [])]),
+        "stateless": ("mesh, 2 nodes, stateless",
+                      [(f"0-{half - 1}", ["--no-kv-cache"]), (f"{half}-{n - 1}", ["--no-kv-cache"])]),
+        "three": ("mesh, 3 nodes, cached", [(layers, []) for layers in _thirds(n)]),
+    }
+    say(f"{info.name}, {n} layers, hidden size {info.hidden_size}; {cores} cores; tokens {args.tokens}")
+
+    reference: dict[int, dict] = {}  # new tokens -> the fastest single-process generate
+    best_threads: dict[int, int] = {}  # new tokens -> the thread count of that run
+    ref_model = None
+    ref_threads = sorted(set(args.reference_threads or [1, cores]))
+    if "generate" in args.setups:
+        say("loading the model for single-process generate")
+        ref_model = Reference(folder)
+    rows: list[dict] = []
+    sessions: list[dict] = []
+
+    def add(setup: str, tokens: int, result: dict) -> None:
+        ref = reference.get(tokens)
+        ratio = result["decode_tps"] / ref["decode_tps"] if ref and result["decode_tps"] and ref["decode_tps"] \
+            else None
+        if result.get("paired_ratios"):  # a mesh row: against the reference runs next to its own
+            ratio = statistics.median(result["paired_ratios"])
+        first, last = window_tps(result["step_ms"], last=False), window_tps(result["step_ms"], last=True)
+        same = result["token_ids"] == ref["token_ids"] if ref and result is not ref else None
+        rows.append({"setup": setup, "new_tokens": tokens, **result, "first10_tps": first, "last10_tps": last,
+                     "decay": last / first if first and last else None, "ratio": ratio, "tokens_match": same})
+
+    def measure_reference(tokens: int) -> None:
+        if ref_model is None or tokens in reference:
+            return
+        runs = {threads: fastest(args.repeat, ref_model.run, tokens, threads) for threads in ref_threads}
+        best_threads[tokens] = max(runs, key=lambda threads: runs[threads]["decode_tps"] or 0.0)
+        reference[tokens] = runs[best_threads[tokens]]
+        for threads, result in runs.items():
+            add(f"generate, 1 process, {threads} thread{'s' if threads > 1 else ''}", tokens, result)
+
+    def measure_mesh(mesh: Mesh, tokens: int, times: int) -> dict:
+        """``times`` runs of ``mesh``, each right after a run of the reference (its fastest thread count).
+
+        The mesh's ratio is the median of the pairs' ratios: each pair ran under the same load of a shared
+        host, where the fastest of several reference runs against the fastest of fewer mesh runs would
+        favour the reference."""
+        results, ratios = [], []
+        for _ in range(times):
+            ref = ref_model.run(tokens, best_threads[tokens]) if ref_model is not None else None
+            result = mesh.measure(tokens)
+            results.append(result)
+            if ref is not None and ref["decode_tps"] and result["decode_tps"]:
+                ratios.append(result["decode_tps"] / ref["decode_tps"])
+        best = max(results, key=lambda r: r["decode_tps"] or 0.0)
+        return best | {"runs": times, "decode_tps_runs": [r["decode_tps"] for r in results],
+                       "paired_ratios": ratios}
+
+    for key in ("cached", "stateless", "three"):
+        if key not in args.setups:
+            continue
+        name, specs = meshes[key]
+        say(f"starting {name}")
+        mesh = Mesh(name, specs, args.model, args.threads)
+        try:
+            mesh.generate(4)  # warm-up: connections, route measurements, lazy loads
+            for tokens in args.tokens:
+                measure_reference(tokens)  # right before the mesh it is compared with, so both see the same load
+                add(name, tokens, measure_mesh(mesh, tokens, 1 if key == "stateless" else args.repeat))
+            if key == "cached" and args.sessions > 0:
+                sessions.append(many_sessions(mesh, 1, args.session_tokens))
+                sessions.append(many_sessions(mesh, args.sessions, args.session_tokens))
+        finally:
+            mesh.stop()
+    for tokens in args.tokens:
+        measure_reference(tokens)
+    order = [name for name, _ in meshes.values()]
+    rows.sort(key=lambda r: (r["new_tokens"], order.index(r["setup"]) if r["setup"] in order else -1, r["setup"]))
+
+    cached = [r for r in rows if r["setup"] == meshes["cached"][0] and r.get("hops")]
+    remote = [h for r in cached for h in r["hops"] if not h["local"] and h["steps"]]
+    pause = sum(h["compute_ms"] for h in remote) / sum(h["steps"] for h in remote) if remote else 40.0
+    say(f"loopback floor: a bare hop around a {pause:.0f} ms pause")
+    floor = loopback_floor(pause)
+    checks = check_targets(rows, info.hidden_size)
+    print_table(rows, sessions, checks, floor)
+    host["load_average_at_end"] = os.getloadavg()
+    out = {
+        "machine": host,
+        "model": {"name": info.name, "layers": n, "hidden_size": info.hidden_size},
+        "threads_per_daemon": args.threads or "adaptive (meshd default)",
+        "rows": rows, "sessions": sessions, "targets": checks, "loopback_floor": floor,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    say(f"wrote {args.json}")
+    return 0
