@@ -82,9 +82,6 @@ class DaemonClient:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise DaemonError(_describe(exc)) from None
 
-    async def health(self, url: str) -> dict:
-        return await self._json("GET", f"{url}/health")
-
     async def status(self, url: str) -> NodeStatus:
         return NodeStatus.from_dict(await self._json("GET", f"{url}/v1/status"))
 

@@ -183,10 +183,6 @@ class LocalMesh:
         """The meshd processes started so far (none when a running head was reused)."""
         return [n.process for n in self.nodes if n.process is not None]
 
-    def exited_nodes(self) -> list[LocalNode]:
-        """Nodes whose meshd has ended, whatever the reason; each is also reported through ``progress``."""
-        return [n for n in self.nodes if n.returncode is not None]
-
     async def start(self, progress: Progress) -> None:
         """Fetch the model if needed, start every node, and wait until they serve.
 

@@ -220,8 +220,21 @@ def test_generations_beyond_the_limit_get_429_with_retry_after(limited):
 # ---- graceful shutdown ---------------------------------------------------------------------------
 
 
+def slow_two_node(tiny_model, tmp_path, *, extra: list[str] = ()) -> tuple[Daemon, Daemon]:
+    """A head (layers 0-1) before a tail that answers every step 30 ms late: however fast the host, a
+    generation of N tokens takes at least N * 30 ms, so a test can act while it runs."""
+    tail = Daemon(tiny_model("llama"), "2-3", variant="slow-30", log_dir=tmp_path)
+    head = Daemon(tiny_model("llama"), "0-1", peers=[tail], extra=list(extra), log_dir=tmp_path)
+    try:
+        tail.wait_ready(), head.wait_ready(), head.wait_peers(1)
+    except BaseException:
+        head.stop(), tail.stop()
+        raise
+    return head, tail
+
+
 def test_sigterm_drains_running_generations_then_exits(tiny_model, tmp_path):
-    node = Daemon(tiny_model("llama"), "0-3", log_dir=tmp_path).wait_ready()
+    node, tail = slow_two_node(tiny_model, tmp_path)
     try:
         result: dict = {}
 
@@ -255,13 +268,13 @@ def test_sigterm_drains_running_generations_then_exits(tiny_model, tmp_path):
         assert node.proc.wait(30) == 0
         assert "draining: 1 generation(s) running" in node.log()
     finally:
-        node.stop()
+        node.stop(), tail.stop()
 
 
 def test_the_grace_period_bounds_the_wait(tiny_model, tmp_path):
-    node = Daemon(tiny_model("llama"), "0-3", extra=["--shutdown-grace", "1"], log_dir=tmp_path).wait_ready()
+    node, tail = slow_two_node(tiny_model, tmp_path, extra=["--shutdown-grace", "1"])
     try:
-        events = node.stream(json.loads(chat_body(1000)), timeout=60)
+        events = node.stream(json.loads(chat_body(900)), timeout=60)  # at least 27 s of steps on any host
         next(events)
         started = time.monotonic()
         node.proc.send_signal(signal.SIGTERM)
@@ -274,8 +287,11 @@ def test_the_grace_period_bounds_the_wait(tiny_model, tmp_path):
         except (http.client.HTTPException, OSError):
             pass  # the connection was cut
         assert not any(c.get("choices") and c["choices"][0]["finish_reason"] for c in chunks)
+        # the generation stopped at its first step after the grace, and its stream says why
+        assert chunks and chunks[-1]["error"]["code"] == "draining", chunks[-3:]
+        assert sum(1 for c in chunks if c.get("choices")) < 150  # 1 s of grace + a step, at 30 ms a step or more
     finally:
-        node.stop()
+        node.stop(), tail.stop()
 
 
 # ---- metrics and request ids ------------------------------------------------------------------
