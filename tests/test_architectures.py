@@ -46,7 +46,15 @@ SPLITS = {
     # per-layer-type rotary embeddings (one RoPE for sliding layers, one for full ones)
     "gemma3_text": [1, 2],
 }
-CASES = [pytest.param(arch, k, id=f"{arch}-split{k}") for arch, ks in SPLITS.items() for k in ks]
+FAST_ARCH = "llama"  # the fast subset checks one architecture; the whole matrix is slow
+
+
+def arch_param(*values, id: str | None = None):
+    marks = () if values[0] == FAST_ARCH else (pytest.mark.slow,)
+    return pytest.param(*values, id=id, marks=marks)
+
+
+CASES = [arch_param(arch, k, id=f"{arch}-split{k}") for arch, ks in SPLITS.items() for k in ks]
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +150,7 @@ def test_two_shards_match_generate(reference, arch, split):
     assert generate_stateless(route) == expected, f"{arch} split at {split}: stateless path differs from generate"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_next"])
+@pytest.mark.parametrize("arch", [arch_param(a, id=a) for a in ("llama", "qwen2", "qwen3_next")])
 def test_three_overlapping_shards_match_generate(reference, arch):
     """Shards 0-1, 1-2, 2-3 (inclusive); the route starts them at 0, 2, 3 so no layer runs twice."""
     folder, _, expected = reference(arch)
@@ -161,7 +169,8 @@ def test_three_overlapping_shards_match_generate(reference, arch):
                start_layer=1, sampling=GREEDY)
 
 
-LOGIT_CASES = list(SPLITS)  # gemma2/gemma3 soft-cap their final logits: sampling must see the same
+# gemma2/gemma3 soft-cap their final logits: sampling must see the same
+LOGIT_CASES = [arch_param(a, id=a) for a in SPLITS]
 
 
 @pytest.mark.parametrize("arch", LOGIT_CASES)

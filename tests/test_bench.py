@@ -11,9 +11,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from daemon.bench import check_targets, mesh_row, window_tps
 
 
+@pytest.mark.slow
 def test_a_quick_run_measures_every_setup_and_writes_json(tiny_model, tmp_path):
     model = tiny_model("llama")
     out = tmp_path / "bench.json"
@@ -49,6 +52,22 @@ def test_a_quick_run_measures_every_setup_and_writes_json(tiny_model, tmp_path):
     assert [s["sessions"] for s in result["sessions"]] == [1, 2]
     assert all(s["aggregate_tps"] > 0 for s in result["sessions"])
     assert result["targets"] and result["machine"]["cores"] >= 1
+
+
+def test_a_short_run_measures_one_mesh_against_generate(tiny_model, tmp_path):
+    """The fast subset's run of ``meshd bench``: the reference, the cached two-node mesh and the floor."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "bench", "--model", str(tiny_model("llama")), "--tokens", "4",
+         "--setups", "generate", "cached", "--reference-threads", "1", "--sessions", "0", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["setup"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"generate, 1 process, 1 thread", "mesh, 2 nodes, cached"}
+    mesh = rows["mesh, 2 nodes, cached"]
+    assert mesh["tokens_match"] is True and mesh["token_ids"] == rows["generate, 1 process, 1 thread"]["token_ids"]
+    assert mesh["decode_tps"] > 0 and "loopback floor" in proc.stdout
 
 
 def test_windows_and_rows_from_generation_stats():

@@ -28,6 +28,7 @@ def test_a_model_that_cannot_be_had_is_a_clear_error(model, expected):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_layers_outside_the_model_are_refused(tiny_model):
     result = meshd("--model", str(tiny_model("llama")), "--layers", "2-9")
     assert result.returncode == 2
@@ -121,6 +122,7 @@ def test_argparse_refuses_what_it_can_check(argv, capsys):
     assert argv[0] in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_busy_port_is_a_clear_error(tiny_model):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -10,6 +10,8 @@ import pytest
 
 from tests.meshtest import start_mesh
 
+pytestmark = pytest.mark.slow  # a long end-to-end run: in .ci/run, not in the fast subset
+
 
 @pytest.fixture(scope="module")
 def mesh(tiny_model, tmp_path_factory):

@@ -13,6 +13,8 @@ import pytest
 
 from tests.meshtest import Daemon, free_port, http_json
 
+pytestmark = pytest.mark.slow  # long end-to-end runs: in .ci/run, not in the fast subset
+
 PROMPT = [{"role": "user", "content": "Describe the water cycle to a ten-year-old."}]
 TOKENS = 40
 

@@ -31,6 +31,8 @@ from tests.fuzz_cases import (
 )
 from tests.meshtest import Daemon, start_mesh
 
+pytestmark = pytest.mark.slow  # a long end-to-end run: in .ci/run, not in the fast subset
+
 RSS_GROWTH_MB = 64  # per daemon over the barrage, where under 20 MB is usual: a leak per request shows
 PARALLEL = 4
 PROMPT = [{"role": "user", "content": "Describe the water cycle to a ten-year-old."}]

@@ -112,6 +112,7 @@ def test_the_openai_sdk_uses_the_token_as_its_api_key(token_mesh):
         bad.chat.completions.create(model="any", messages=PROMPT, max_tokens=4)
 
 
+@pytest.mark.slow
 def test_a_node_with_another_token_is_down_to_its_peers(default_model, tmp_path, token_mesh):
     head, _ = token_mesh
     stranger = Daemon(default_model, "15-29", env={"MESHNET_TOKEN": "another-token-entirely-000"},
@@ -127,6 +128,7 @@ def test_a_node_with_another_token_is_down_to_its_peers(default_model, tmp_path,
         stranger.stop()
 
 
+@pytest.mark.slow
 def test_binding_beyond_loopback_without_a_token_warns_loudly(tmp_path):
     # the model does not exist, so the node stops before it binds anything: only the warning is tested
     missing = tmp_path / "no-model"
@@ -233,6 +235,7 @@ def slow_two_node(tiny_model, tmp_path, *, extra: list[str] = ()) -> tuple[Daemo
     return head, tail
 
 
+@pytest.mark.slow
 def test_sigterm_drains_running_generations_then_exits(tiny_model, tmp_path):
     node, tail = slow_two_node(tiny_model, tmp_path)
     try:
@@ -271,6 +274,7 @@ def test_sigterm_drains_running_generations_then_exits(tiny_model, tmp_path):
         node.stop(), tail.stop()
 
 
+@pytest.mark.slow
 def test_the_grace_period_bounds_the_wait(tiny_model, tmp_path):
     node, tail = slow_two_node(tiny_model, tmp_path, extra=["--shutdown-grace", "1"])
     try:

@@ -177,6 +177,7 @@ async def test_a_head_already_serving_is_reused_and_told_about_peers(mesh):
     assert "http://127.0.0.1:9" in [p["url"] for p in status["peers"]]
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_head_next_to_a_peer_hosts_the_layers_it_lacks(mesh, tiny_model):
     local, _ = mesh
@@ -205,6 +206,7 @@ async def test_a_head_next_to_a_peer_hosts_the_layers_it_lacks(mesh, tiny_model)
 
 # -- starting and stopping -------------------------------------------------------------------------
 
+@pytest.mark.slow
 async def test_the_built_in_model_is_fetched_split_and_stopped_without_a_trace():
     progress = Progress()
     local = LocalMesh(nodes=2)
@@ -223,6 +225,7 @@ async def test_the_built_in_model_is_fetched_split_and_stopped_without_a_trace()
     assert not any("exited" in line or "killed" in line for _, line in progress.lines)  # stopping is not news
 
 
+@pytest.mark.slow
 async def test_the_mesh_token_guards_the_local_mesh_and_stays_off_command_lines(tiny_model):
     token = "s3cret-mesh-token-0123"
     local = LocalMesh(model=str(tiny_model("llama")), nodes=2, token=token)
@@ -243,6 +246,7 @@ async def test_the_mesh_token_guards_the_local_mesh_and_stays_off_command_lines(
         local.stop()
 
 
+@pytest.mark.slow
 async def test_a_node_killed_from_outside_is_reported(tiny_model):
     progress = Progress()
     local = LocalMesh(model=str(tiny_model("llama")), layers=["0-3"])
@@ -257,6 +261,7 @@ async def test_a_node_killed_from_outside_is_reported(tiny_model):
     local.stop()
 
 
+@pytest.mark.slow
 async def test_a_node_that_fails_raises_with_meshds_message(tiny_model):
     local = LocalMesh(model=str(tiny_model("llama")), layers=["0-9"])
     with pytest.raises(LocalMeshError) as failure:
@@ -288,6 +293,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 def test_a_console_killed_9_leaves_no_orphan(tiny_model):
     console = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT, str(tiny_model("llama"))],
                                stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)

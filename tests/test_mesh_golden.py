@@ -35,6 +35,7 @@ def two_nodes(default_model, tmp_path_factory):
         d.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", range(len(PROMPTS)))
 def test_two_node_cached_mesh_matches_generate(two_nodes, reference_tokens, prompt):
     head, tail = two_nodes
@@ -50,6 +51,7 @@ def test_two_node_cached_mesh_matches_generate(two_nodes, reference_tokens, prom
     assert stats["session_id"] not in {s["session_id"] for s in head.get("/v1/sessions")["sessions"]}
 
 
+@pytest.mark.slow
 def test_any_node_serves_chat(two_nodes, reference_tokens):
     """The tail can be the head too: it embeds, sends layers 0-14 to its peer, and runs 15-29 itself."""
     _, tail = two_nodes
@@ -71,6 +73,7 @@ def test_mesh_stops_at_eos_like_generate(two_nodes, reference_tokens):
     assert "Paris" in body["choices"][0]["message"]["content"]
 
 
+@pytest.mark.slow
 def test_eviction_mid_generation_costs_one_reprefill(two_nodes, reference_tokens):
     """Drop the tail's session while a stream runs: one re-prefill, then identical tokens."""
     head, tail = two_nodes
@@ -107,6 +110,7 @@ def final_text(head: Daemon, messages) -> str:
     return chat(head, messages)["choices"][0]["message"]["content"]
 
 
+@pytest.mark.slow
 def test_stateless_node_matches_generate(default_model, reference_tokens, tmp_path):
     mesh = start_mesh(default_model, [("0-14", []), ("15-29", ["--no-kv-cache"])], log_dir=tmp_path)
     try:
@@ -123,6 +127,7 @@ def test_stateless_node_matches_generate(default_model, reference_tokens, tmp_pa
             d.stop()
 
 
+@pytest.mark.slow
 def test_three_overlapping_nodes_match_generate(default_model, reference_tokens, tmp_path):
     mesh = start_mesh(default_model, [("0-14", []), ("10-24", []), ("20-29", [])], log_dir=tmp_path)
     try:
@@ -136,6 +141,7 @@ def test_three_overlapping_nodes_match_generate(default_model, reference_tokens,
             d.stop()
 
 
+@pytest.mark.slow
 def test_legacy_tail_without_token_ids_prefills_every_step(default_model, reference_model, reference_tokens,
                                                           tmp_path):
     """A tail from before ADR-0022 answers text only: the head re-tokenizes and prefills each step."""

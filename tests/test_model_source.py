@@ -41,6 +41,9 @@ def default_gguf(default_folder: Path) -> Path:
     return path
 
 
+GGUF_LOAD_SECONDS: list[float] = []  # how long the reference took to load from the GGUF, on this host today
+
+
 @pytest.fixture(scope="module")
 def gguf_reference(default_gguf: Path):
     """Tokenizer and model loaded straight from the GGUF, the way transformers does by default."""
@@ -48,8 +51,10 @@ def gguf_reference(default_gguf: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(default_gguf.parent), default_gguf.name
+    started = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    GGUF_LOAD_SECONDS.append(time.monotonic() - started)
     return tokenizer, model
 
 
@@ -130,6 +135,7 @@ def test_default_model_folder_is_a_plain_float_hf_folder(default_folder: Path) -
     assert dtypes == {"F32"}
 
 
+@pytest.mark.slow
 def test_converted_default_loads_fast_and_generates_like_the_gguf(default_folder: Path, gguf_reference) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,7 +143,10 @@ def test_converted_default_loads_fast_and_generates_like_the_gguf(default_folder
     started = time.monotonic()
     model = AutoModelForCausalLM.from_pretrained(default_folder)
     tokenizer = AutoTokenizer.from_pretrained(default_folder)
-    assert time.monotonic() - started < 5, "loading the converted folder should take about a second"
+    seconds = time.monotonic() - started
+    # side by side on this host, whatever its speed: about 1 s against about 20 s from the GGUF
+    assert seconds < GGUF_LOAD_SECONDS[0] / 4, f"the converted folder took {seconds:.1f} s to load, the GGUF " \
+        f"{GGUF_LOAD_SECONDS[0]:.1f} s"
 
     ref_tokenizer, ref_model = gguf_reference
     messages = [{"role": "user", "content": PROMPT}]
@@ -154,6 +163,7 @@ def test_converted_default_loads_fast_and_generates_like_the_gguf(default_folder
     assert out.tolist() == ref_out.tolist()
 
 
+@pytest.mark.slow
 def test_gguf_loaded_model_saves_once_its_quantization_marker_is_dropped(gguf_reference, tmp_path: Path) -> None:
     _, model = gguf_reference
     with pytest.raises(ValueError, match="not serializable"):
@@ -180,6 +190,7 @@ def test_second_resolve_is_fast_and_runs_neither_pip_nor_conversion(
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.slow
 def test_user_gguf_is_converted_once_into_the_cache(default_gguf: Path, default_folder: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     import torch

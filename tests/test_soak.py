@@ -22,6 +22,8 @@ import pytest
 
 from tests.meshtest import Daemon, http_json, start_mesh
 
+pytestmark = pytest.mark.slow  # a long end-to-end run: in .ci/run, not in the fast subset
+
 PROMPTS = [
     "Describe the water cycle to a ten-year-old.",
     "Write a haiku about the sea.",

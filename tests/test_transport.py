@@ -282,6 +282,7 @@ def test_a_chunked_answer_is_put_together(run):
     run(main())
 
 
+@pytest.mark.slow
 def test_a_timeout_raises_and_the_connection_is_not_kept(run):
     async def main():
         async with Server() as server:
@@ -295,6 +296,7 @@ def test_a_timeout_raises_and_the_connection_is_not_kept(run):
     run(main())
 
 
+@pytest.mark.slow
 def test_a_cancelled_request_does_not_leave_its_connection_behind(run):
     async def main():
         async with Server() as server:

@@ -354,6 +354,7 @@ async def test_a_local_mesh_is_started_shown_and_stopped(daemons):
     assert mesh.stopped >= 1
 
 
+@pytest.mark.slow
 async def test_the_console_against_a_real_two_node_mesh(default_model, tmp_path):
     """Real meshd daemons: the shapes, the stream and the eviction as the daemon really serves them."""
     daemons = await asyncio.to_thread(start_mesh, default_model, [("0-14", []), ("15-29", [])], log_dir=tmp_path)
