@@ -156,8 +156,8 @@ class Head:
             log.info("generation %s: %d prompt tokens, up to %d new, route %s", stats.session_id, len(prompt_ids),
                      max_tokens, " -> ".join(f"{h.url}@{h.start_layer}" for h in route))
             loop_request = GenerationRequest(prompt_ids, max_tokens, sampling, request.stop, request.ignore_eos)
-            own = _OwnLayers(self.own, tokenizer, wire_dtype=self.settings.wire_dtype)
-            events = generate(own, self._hop_client(), self.planner, route, loop_request, stats=stats)
+            backend = _LocalBackend(self.own, tokenizer, wire_dtype=self.settings.wire_dtype)
+            events = generate(backend, self._hop_client(), self.planner, route, loop_request, stats=stats)
             # aclosing: a client that goes away mid-stream still ends the generation and frees its sessions now
             async with contextlib.aclosing(events):
                 try:
@@ -207,7 +207,7 @@ class Head:
                  stats.reprefills, stats.failovers)
 
 
-class _OwnLayers:
+class _LocalBackend:
     """What the generation loop needs from the head's own node (``HeadBackend``), for one generation."""
 
     def __init__(self, own: OwnLayers, tokenizer: Tokenizer, *, wire_dtype: str) -> None:
