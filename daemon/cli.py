@@ -132,7 +132,8 @@ def load_node(argv: list[str]):
     except ModelUnavailable as exc:
         raise Refused(exc.message) from None
     weights = sum(node.service.shard.loaded_bytes().values())
-    _say(f"loaded in {time.perf_counter() - started:.1f} s, {weights / 1e6:.0f} MB of weights; "
+    _say(f"loaded in {time.perf_counter() - started:.1f} s, {weights / 1e6:.0f} MB of weights in "
+         f"{node.service.dtype} on {node.service.shard.device}; "
          f"kv cache {'on' if node.service.supports_kv_cache else 'off'}")
     return node
 

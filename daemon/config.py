@@ -16,6 +16,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import re
 import tomllib
 import typing
 import urllib.parse
@@ -72,6 +73,13 @@ def _address(value: str) -> str | None:
     return None if usable and not any(c.isspace() for c in value) else "must be an address like http://127.0.0.1:7071"
 
 
+DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(?::\d+)?")
+
+
+def _device(value: str) -> str | None:
+    return None if DEVICE_PATTERN.fullmatch(value) else "must be auto, cpu, cuda, cuda:N or mps"
+
+
 def _addresses(values: list[str]) -> str | None:
     problems = [value for value in values if _address(value)]
     return f"must be addresses like http://127.0.0.1:7071 ({problems[0]!r} is not)" if problems else None
@@ -117,9 +125,17 @@ class NodeConfig:
         8, flag="--kv-max-sessions", help="most sessions cached at once (default 8)", check=at_least(1))
     kv_max_bytes: int | None = setting(
         None, flag="--kv-max-bytes", help="byte budget of the session caches (default: none)", check=at_least(0))
-    wire_dtype: str = setting(
-        "float32", flag="--wire-dtype", choices=("float32", "float16", "bfloat16"),
-        help="dtype of activations this node sends as head (default float32, exact)")
+    dtype: str = setting(
+        "auto", flag="--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+        help="compute dtype of this node's weights, caches and activations (default auto: bfloat16 where the "
+        "device computes it natively, else float32; float32 gives generate's float32 tokens)")
+    device: str = setting(
+        "auto", flag="--device", check=_device,
+        help="where weights, caches and compute live: auto, cpu, cuda, cuda:N or mps (default auto: a GPU "
+        "if torch sees one, else the CPU)")
+    wire_dtype: str | None = setting(  # None: the compute dtype, which loses nothing
+        None, flag="--wire-dtype", choices=("float32", "float16", "bfloat16"),
+        help="dtype of activations this node sends as head (default: its compute dtype, exact)")
     # no flag: a request's own max_tokens is the usual way to set it
     max_tokens_default: int = setting(
         256, flag=None, help="max_tokens when a request names none (default 256)", check=at_least(1))

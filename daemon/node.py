@@ -51,7 +51,7 @@ class Node:
             on_hop=lambda hop, mode, ms: metrics.hop_done(hop.url, mode, ms / 1000.0),
         )
         self.head = Head(service, self.planner, metrics, model_name=info.name, settings=HeadSettings(
-            wire_dtype=config.wire_dtype, hop_timeout_seconds=config.hop_timeout_seconds,
+            wire_dtype=config.wire_dtype or service.dtype, hop_timeout_seconds=config.hop_timeout_seconds,
             max_generations=config.max_generations, max_tokens_default=config.max_tokens_default,
             max_tokens_cap=config.max_tokens_cap,
         ))
@@ -66,7 +66,8 @@ class Node:
                                   max_bytes=config.kv_max_bytes)
         metrics = Metrics(store.stats)
         service = ShardService.load(folder, start, end, store=store, kv_cache=config.kv_cache, threads=threads,
-                                    share_cores=config.threads is None, on_step=metrics.step_done)
+                                    share_cores=config.threads is None, dtype=config.dtype, device=config.device,
+                                    on_step=metrics.step_done)
         return cls(config, service, metrics)
 
     @contextlib.asynccontextmanager
@@ -121,6 +122,7 @@ class Node:
             weights_bytes=service.shard.loaded_bytes(), store=service.store.stats(), peers=self.peers.summaries(),
             time=time.time(), started_at=self.started_at, steps_served=service.steps_served,
             tokens_served=service.tokens_served, generations=head.generations, tokens_generated=head.tokens_generated,
+            dtype=service.dtype, device=str(service.shard.device), memory=service.memory(),
         )
 
     def sessions(self) -> SessionList:

@@ -20,38 +20,63 @@ def default_model() -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference_model(default_model):
-    """The whole model in this process, as transformers loads it: the reference for every golden test."""
+def reference_models(default_model):
+    """``reference_models(dtype)`` -> the whole model in this process in ``dtype`` ("float32", "bfloat16",
+    "float16"), as transformers loads it, with its tokenizer: the references of the golden tests."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(default_model)
-    return model, tokenizer
+    models: dict = {}
+
+    def load(dtype: str = "float32"):
+        if dtype not in models:
+            model = AutoModelForCausalLM.from_pretrained(default_model, dtype=getattr(torch, dtype)).eval()
+            models[dtype] = (model, tokenizer)
+        return models[dtype]
+
+    return load
 
 
 @pytest.fixture(scope="session")
-def reference_tokens(reference_model):
-    """``reference_tokens(messages, n, ignore_eos)`` -> greedy token ids from ``model.generate``."""
+def reference_model(reference_models):
+    """The whole model in this process in float32: the reference for every float32 golden test."""
+    return reference_models("float32")
+
+
+@pytest.fixture(scope="session")
+def reference_tokens_in(reference_models):
+    """``reference_tokens_in(dtype)(messages, n, ignore_eos)`` -> greedy token ids from ``model.generate``
+    run in ``dtype``."""
     import torch
 
-    model, tokenizer = reference_model
     memo: dict = {}
 
-    def generate(messages: list[dict], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
-        key = (repr(messages), max_new_tokens, ignore_eos)
-        if key not in memo:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-            extra = {"eos_token_id": None} if ignore_eos else {}
-            with torch.inference_mode():
-                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                     attention_mask=torch.ones_like(ids), **extra)
-            memo[key] = out[0, ids.shape[1]:].tolist()
-        return memo[key]
+    def in_dtype(dtype: str):
+        model, tokenizer = reference_models(dtype)
 
-    return generate
+        def generate(messages: list[dict], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+            key = (dtype, repr(messages), max_new_tokens, ignore_eos)
+            if key not in memo:
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+                ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+                extra = {"eos_token_id": None} if ignore_eos else {}
+                with torch.inference_mode():
+                    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                         attention_mask=torch.ones_like(ids), **extra)
+                memo[key] = out[0, ids.shape[1]:].tolist()
+            return memo[key]
+
+        return generate
+
+    return in_dtype
+
+
+@pytest.fixture(scope="session")
+def reference_tokens(reference_tokens_in):
+    """``reference_tokens(messages, n, ignore_eos)`` -> greedy token ids from ``model.generate`` in float32."""
+    return reference_tokens_in("float32")
 
 
 @pytest.fixture(scope="session")

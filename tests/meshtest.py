@@ -33,12 +33,15 @@ class Daemon:
 
     def __init__(self, model: Path | str, layers: str, *, peers: list[Daemon] = (), extra: list[str] = (),
                  env: dict | None = None, threads: int = 1, log_dir: Path | None = None,
-                 port: int | None = None, peer_urls: list[str] = (), variant: str | None = None) -> None:
-        """``variant``: a test-only twist on meshd (see ``tests.meshd_variants``)."""
+                 port: int | None = None, peer_urls: list[str] = (), variant: str | None = None,
+                 dtype: str = "float32") -> None:
+        """``variant``: a test-only twist on meshd (see ``tests.meshd_variants``). ``dtype``: float32 unless a
+        test asks for another, so tokens are compared with the float32 reference of ``tests.conftest``."""
         self.port = port or free_port()
         self.url = node_url("127.0.0.1", self.port)
         self.layers = layers
-        args = ["--model", str(model), "--layers", layers, "--port", str(self.port), "--threads", str(threads), *extra]
+        args = ["--model", str(model), "--layers", layers, "--port", str(self.port), "--threads", str(threads),
+                "--dtype", dtype, *extra]
         for url in [p.url for p in peers] + list(peer_urls):
             args += ["--peer", url]
         self.log_path = (log_dir or Path("/tmp")) / f"meshd-{self.port}.log"
@@ -112,7 +115,8 @@ class Daemon:
         self.process.stop(signal.SIGINT, grace=10.0)
 
 
-def start_mesh(model, specs: list[tuple[str, list[str]]], *, log_dir=None, env=None) -> list[Daemon]:
+def start_mesh(model, specs: list[tuple[str, list[str]]], *, log_dir=None, env=None,
+               dtype: str = "float32") -> list[Daemon]:
     """Start one node per ``(layers, extra args)``, each knowing all the others; the first is the head."""
     daemons: list[Daemon] = []
     ports = [free_port() for _ in specs]
@@ -120,7 +124,8 @@ def start_mesh(model, specs: list[tuple[str, list[str]]], *, log_dir=None, env=N
     try:
         for i, ((layers, extra), port) in enumerate(zip(specs, ports)):
             others = urls[:i] + urls[i + 1:]
-            daemons.append(Daemon(model, layers, extra=extra, log_dir=log_dir, env=env, port=port, peer_urls=others))
+            daemons.append(Daemon(model, layers, extra=extra, log_dir=log_dir, env=env, port=port, peer_urls=others,
+                                  dtype=dtype))
         for d in daemons:
             d.wait_ready()
         for d in daemons:

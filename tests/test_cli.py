@@ -87,6 +87,8 @@ OPTION_CASES = [
     (["--kv-ttl", "12.5"], "kv_ttl_seconds", 12.5),
     (["--kv-max-sessions", "3"], "kv_max_sessions", 3),
     (["--kv-max-bytes", "4096"], "kv_max_bytes", 4096),
+    (["--dtype", "bfloat16"], "dtype", "bfloat16"),
+    (["--device", "cuda:0"], "device", "cuda:0"),
     (["--wire-dtype", "float16"], "wire_dtype", "float16"),
     (["--log-level", "warning"], "log_level", "warning"),
     (["--log-level", "DEBUG"], "log_level", "debug"),

@@ -34,7 +34,7 @@ def test_defaults(no_file):
     assert cfg.port == DEFAULT_PORT == 7070
     assert cfg.host == "127.0.0.1"
     assert cfg.kv_cache is True and cfg.peers == [] and cfg.threads is None
-    assert cfg.wire_dtype == "float32"
+    assert cfg.wire_dtype is None and cfg.dtype == "auto" and cfg.device == "auto"  # the wire: the compute dtype
     assert cfg.url == "http://127.0.0.1:7070"
 
 
@@ -220,7 +220,8 @@ def test_kv_variables_reject_bad_values_naming_the_variable(no_file, name, value
 VALID = {
     "model": "/models/x", "layers": "0-14", "host": "0.0.0.0", "port": 8001,
     "peers": ["http://127.0.0.1:7071", "10.0.0.3:7072", "http://[::1]:7073"], "kv_cache": False, "threads": 3,
-    "kv_ttl_seconds": 12.5, "kv_max_sessions": 3, "kv_max_bytes": 0, "wire_dtype": "bfloat16",
+    "kv_ttl_seconds": 12.5, "kv_max_sessions": 3, "kv_max_bytes": 0, "dtype": "bfloat16", "device": "cuda:1",
+    "wire_dtype": "bfloat16",
     "max_tokens_default": 64, "log_level": "debug", "public_url": "https://node.example:9",
     "route_explore": 0.5, "failover_wait_seconds": 5.0, "hop_timeout_seconds": 2.5, "token": "t" * 16,
     "max_body_bytes": 2048, "max_tokens_cap": 100, "max_generations": 4, "shutdown_grace_seconds": 0.0,
@@ -239,6 +240,8 @@ INVALID = {
     "kv_ttl_seconds": [("env", "0"), ("env", "-1"), ("env", "nan"), ("cli", float("inf")), ("toml", 0)],
     "kv_max_sessions": [("env", "0"), ("env", "many"), ("cli", -1), ("toml", 0)],
     "kv_max_bytes": [("env", "-1"), ("env", "1GB"), ("cli", -5), ("toml", -1)],
+    "dtype": [("env", "int8"), ("cli", "float64"), ("toml", "fp16")],
+    "device": [("env", "gpu"), ("env", "cuda:"), ("cli", "CUDA"), ("toml", "tpu")],
     "wire_dtype": [("env", "int8"), ("cli", "int8"), ("toml", "float64")],
     "max_tokens_default": [("env", "0"), ("env", "lots"), ("cli", -1), ("toml", 0)],
     "log_level": [("env", "verbose"), ("cli", "trace"), ("toml", "critical")],
@@ -280,7 +283,8 @@ def test_the_table_covers_every_field_in_these_tests():
 def test_environment_variable_names_are_unchanged():
     assert [s.env_var for s in SETTINGS] == [
         "MESHNET_MODEL", "MESHNET_LAYERS", "MESHNET_HOST", "MESHNET_PORT", "MESHNET_PEERS", "MESHNET_KV_CACHE",
-        "MESHNET_THREADS", "MESHNET_KV_TTL_SECONDS", "MESHNET_KV_MAX_SESSIONS", "MESHNET_KV_MAX_BYTES",
+        "MESHNET_THREADS", "MESHNET_KV_TTL_SECONDS", "MESHNET_KV_MAX_SESSIONS", "MESHNET_KV_MAX_BYTES", "MESHNET_DTYPE",
+        "MESHNET_DEVICE",
         "MESHNET_WIRE_DTYPE", "MESHNET_MAX_TOKENS_DEFAULT", "MESHNET_LOG_LEVEL", "MESHNET_PUBLIC_URL",
         "MESHNET_ROUTE_EXPLORE", "MESHNET_FAILOVER_WAIT_SECONDS", "MESHNET_HOP_TIMEOUT_SECONDS", "MESHNET_TOKEN",
         "MESHNET_MAX_BODY_BYTES", "MESHNET_MAX_TOKENS_CAP", "MESHNET_MAX_GENERATIONS",

@@ -173,3 +173,35 @@ def test_half_the_layers_hold_half_the_layer_weights(two_nodes, reference_model)
     for d in two_nodes:
         rss_kb = int(next(line.split()[1] for line in open(f"/proc/{d.proc.pid}/status") if line.startswith("VmRSS")))
         print(f"meshd {d.layers}: layers {d.get('/v1/status')['weights_bytes']}, RSS {rss_kb / 1024:.0f} MiB")
+
+
+# ---- bfloat16 ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_bfloat16_nodes(default_model, tmp_path_factory):
+    mesh = start_mesh(default_model, [("0-14", []), ("15-29", [])], log_dir=tmp_path_factory.mktemp("logs"),
+                      dtype="bfloat16")
+    yield mesh
+    for d in mesh:
+        d.stop()
+
+
+@pytest.mark.parametrize("prompt", [pytest.param(0, id="0"), pytest.param(1, id="1", marks=pytest.mark.slow)])
+def test_two_node_bfloat16_mesh_matches_generate_in_bfloat16(two_bfloat16_nodes, reference_tokens_in, prompt):
+    """Computed in bfloat16 and sent over the wire in bfloat16 (the compute dtype: nothing is rounded on the
+    way), the mesh emits the tokens ``generate`` gives in bfloat16 with the same weights."""
+    head, _ = two_bfloat16_nodes
+    body = chat(head, PROMPTS[prompt], max_tokens=64)
+    assert body["meshnet"]["token_ids"] == reference_tokens_in("bfloat16")(PROMPTS[prompt], 64, ignore_eos=True)
+
+
+def test_bfloat16_nodes_hold_half_the_bytes_and_say_so(two_bfloat16_nodes, reference_model):
+    model, _ = reference_model
+    float32_layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    statuses = [d.get("/v1/status") for d in two_bfloat16_nodes]
+    assert [(s["dtype"], s["device"]) for s in statuses] == [("bfloat16", "cpu")] * 2
+    assert sum(s["weights_bytes"]["layers"] for s in statuses) == float32_layer_bytes // 2
+    for status in statuses:
+        memory = status["memory"]
+        assert memory["peak_rss_bytes"] >= memory["rss_bytes"] > sum(status["weights_bytes"].values())

@@ -16,6 +16,7 @@ from aiohttp import web
 from daemon.api import (
     GenerationStats,
     Hop,
+    MemoryInfo,
     ModelSummary,
     NodeMeasurement,
     NodeStatus,
@@ -67,13 +68,15 @@ def node_status(url: str, start: int, end: int, *, peers: list[str] = (), time: 
                 active_generations: int = 0, sessions: int = 0, kv_cache: bool = True,
                 model: ModelSummary = MODEL, draining: bool = False) -> NodeStatus:
     roles = ["head", "tail"] if end == model.num_layers else ["head"]
+    weights = (end - start) * 7_000_000 + (56_623_104 if start == 0 else 0)  # bfloat16 layers, embeddings on the head
     return NodeStatus(
         url=url, version="0.1.0", model=model, start=start, end=end, roles=roles,
         kv_cache_enabled=kv_cache, supports_kv_cache=True, threads=1,
         active_generations=active_generations, active_steps=active_steps,
-        weights_bytes={"layers": (end - start) * 14_000_000}, store=store(sessions, sessions * 1_400_000),
+        weights_bytes={"layers": weights}, store=store(sessions, sessions * 1_400_000),
         peers=[PeerSummary(p, True, last_seen=time) for p in peers], time=time, started_at=NOW - 3600,
-        steps_served=steps_served, tokens_served=tokens_served, draining=draining,
+        steps_served=steps_served, tokens_served=tokens_served, draining=draining, dtype="bfloat16", device="cpu",
+        memory=MemoryInfo(peak_rss_bytes=420 * 2**20 + weights, rss_bytes=400 * 2**20 + weights),
     )
 
 

@@ -12,6 +12,7 @@ from daemon.api.shapes import (
     GenerationStats,
     Hop,
     HopTotals,
+    MemoryInfo,
     ModelSummary,
     NodeMeasurement,
     NodeStatus,
@@ -28,7 +29,7 @@ from daemon.api.shapes import (
 )
 
 __all__ = [
-    "GenerationStats", "Hop", "HopTotals", "ModelSummary", "NodeMeasurement", "NodeStatus", "PeerSummary",
+    "GenerationStats", "Hop", "HopTotals", "MemoryInfo", "ModelSummary", "NodeMeasurement", "NodeStatus", "PeerSummary",
     "RouteEvent", "RouteHopInfo", "RouteInfo", "Sampling", "SessionInfo", "SessionList", "StoreStats",
     "TOKEN_PATTERN", "TOKEN_RULE", "auth_headers", "format_layers", "normalize_url", "parse_layers",
 ]

@@ -145,6 +145,20 @@ class PeerSummary:
 
 
 @dataclass
+class MemoryInfo:
+    """A node's memory as its process sees it: the peak of its resident set (``VmHWM``) is what sizing
+    a machine must allow for; a GPU node also reports the peak its device allocated."""
+
+    peak_rss_bytes: int | None = None
+    rss_bytes: int | None = None
+    device_peak_bytes: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryInfo:
+        return _known(cls, data)
+
+
+@dataclass
 class NodeStatus:
     url: str
     version: str
@@ -169,6 +183,9 @@ class NodeStatus:
     node_id: str = ""  # random per run: tells one node apart from its other addresses
     busy: float = 0.0  # share of the last 10 s spent computing steps, 0..1
     draining: bool = False  # shutting down: finishing its generations, taking no new work
+    dtype: str = ""  # the compute dtype of its weights, caches and activations
+    device: str = ""  # where they live: cpu, cuda:0, mps
+    memory: MemoryInfo = field(default_factory=MemoryInfo)
 
     @property
     def layers(self) -> str:
@@ -181,7 +198,8 @@ class NodeStatus:
     def from_dict(cls, data: dict[str, Any]) -> NodeStatus:
         return _known(cls, data, model=ModelSummary(**data["model"]),
                       store=StoreStats.from_dict(data.get("store") or {}),
-                      peers=_many(PeerSummary, data.get("peers")))
+                      peers=_many(PeerSummary, data.get("peers")),
+                      memory=MemoryInfo.from_dict(data.get("memory") or {}))
 
 
 @dataclass

@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from daemon import wire
-from daemon.api import Sampling, SessionInfo
+from daemon.api import MemoryInfo, Sampling, SessionInfo
 from daemon.errors import BadRequest
 from daemon.kvstore import SessionCacheStore
 from daemon.model.cores import CoreShare
+from daemon.model.device import dtype_name, resolve_device, resolve_dtype
 from daemon.model.shard import ModelShard, StepResult
 from daemon.model.tensors import as_sent, to_activation, to_tensor
 from daemon.model.tokenizer import ChatTokenizer
@@ -60,12 +61,20 @@ class ShardService:
 
     @classmethod
     def load(cls, folder: Path, start: int, end: int, *, store: SessionCacheStore, kv_cache: bool, threads: int,
-             share_cores: bool, on_step: StepObserver | None = None) -> ShardService:
-        """Load layers ``[start, end)`` of the model in ``folder`` (blocking)."""
+             share_cores: bool, dtype: str = "float32", device: str = "cpu",
+             on_step: StepObserver | None = None) -> ShardService:
+        """Load layers ``[start, end)`` of the model in ``folder`` (blocking), in ``dtype`` on ``device``
+        (``--dtype`` and ``--device`` values: ``auto`` resolves against this machine)."""
         torch.set_num_threads(threads)
-        shard = ModelShard(folder, start, end, head=start == 0, kv_cache=kv_cache, sessions=store)
+        where = resolve_device(device)
+        shard = ModelShard(folder, start, end, head=start == 0, kv_cache=kv_cache, sessions=store,
+                           dtype=resolve_dtype(dtype, where), device=where)
         return cls(shard, store, threads=threads, share_cores=share_cores, kv_cache=kv_cache, on_step=on_step)
 
+    @property
+    def dtype(self) -> str:
+        """The compute dtype, as the wire names it."""
+        return dtype_name(self.shard.dtype)
     @property
     def supports_kv_cache(self) -> bool:
         return self.shard.supports_kv_cache
@@ -123,7 +132,7 @@ class ShardService:
             self.cores.adjust()
         started = time.perf_counter()
         if token_ids is None:
-            hidden = to_tensor(request.activation, compute_dtype=self.shard.dtype)
+            hidden = to_tensor(request.activation, compute_dtype=self.shard.dtype, device=self.shard.device)
         else:  # rounded as the wire would have rounded it, so a local first hop changes nothing
             hidden = as_sent(self.shard.embed(token_ids), wire_dtype=request.activation.dtype,
                              compute_dtype=self.shard.dtype)
@@ -158,6 +167,15 @@ class ShardService:
     async def embed(self, token_ids: list[int], *, dtype: str) -> wire.Activation:
         return await self.run(lambda: to_activation(self.shard.embed(token_ids), dtype=dtype))
 
+    # ---- what the node reports ----------------------------------------------------------------
+
+    def memory(self) -> MemoryInfo:
+        """This process's peak and current resident memory, and the device's peak where it has its own."""
+        device = self.shard.device
+        device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        return MemoryInfo(peak_rss_bytes=_proc_status_bytes("VmHWM"), rss_bytes=_proc_status_bytes("VmRSS"),
+                          device_peak_bytes=device_peak)
+
     # ---- sessions ----------------------------------------------------------------------------
 
     def sessions(self) -> list[SessionInfo]:
@@ -166,6 +184,18 @@ class ShardService:
 
     def drop_session(self, session_id: str) -> bool:
         return self.store.drop(session_id)
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A ``kB`` line of /proc/self/status in bytes (``VmHWM``: the peak resident set); None where there is none."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _core_share() -> CoreShare | None:

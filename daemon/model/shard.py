@@ -98,6 +98,7 @@ class ModelShard:
         kv_cache: bool = True,
         sessions: SessionCacheStore | None = None,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         from transformers import AutoConfig
 
@@ -109,7 +110,7 @@ class ModelShard:
             raise ModelUnavailable(
                 f"layer range {start}-{end - 1} is outside the model's layers 0-{n - 1}"
             )
-        self.start, self.end, self.dtype = start, end, dtype
+        self.start, self.end, self.dtype, self.device = start, end, dtype, torch.device(device)
         self.is_tail = end == n
         self.layer_types: list[str] = list(
             getattr(self.config, "layer_types", None) or [self._default_layer_type()] * n
@@ -124,6 +125,7 @@ class ModelShard:
         rotary_params = inspect.signature(self.model.model.rotary_emb.forward).parameters
         self._rotary_per_type = "layer_type" in rotary_params
         self._load_tensors(self._wanted_parts(head=head))
+        self._buffers_to_device()
         self._layers = tuple(self.model.model.layers)  # indexing a tuple, not a ModuleList, in the step loop
         # the head turns chats into ids, the tail names its token
         self.tokenizer = ChatTokenizer.load(self.folder, self.config) if (head or self.is_tail) else None
@@ -190,7 +192,7 @@ class ModelShard:
             raise ModelUnavailable(f"no *.safetensors weights in {self.folder}")
         handles, state_dict = [], {}
         for file in files:
-            handle = safe_open(str(file), framework="pt", device="cpu")
+            handle = safe_open(str(file), framework="pt", device=str(self.device))
             handles.append(handle)
             for key in handle.keys():
                 if self._checkpoint_part(key) in parts:
@@ -198,7 +200,7 @@ class ModelShard:
         config = LoadStateDictConfig(
             dtype=self.dtype,
             weight_mapping=get_model_conversion_mapping(self.model, None, None),
-            device_map={"": "cpu"},
+            device_map={"": str(self.device)},
         )
         # transformers' own loader: renames and fuses checkpoint tensors (MoE experts, qkv) as from_pretrained does
         info, _ = convert_and_load_state_dict_in_model(self.model, state_dict, config)
@@ -209,6 +211,13 @@ class ModelShard:
         if "lm_head" in parts and self.model.lm_head.weight.device.type == "meta":
             self.model.lm_head.weight = self.model.model.embed_tokens.weight  # tied embeddings
         self._check_loaded(parts)
+
+    def _buffers_to_device(self) -> None:
+        """Buffers the skeleton made for real (rotary frequencies) join the weights on the device."""
+        for module in self.model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.device.type != "meta" and buffer.device != self.device:
+                    setattr(module, name, buffer.to(self.device))  # stays a buffer, persistent or not
 
     def _modules_for(self, parts: set[str]) -> dict[str, torch.nn.Module]:
         base = self.model.model
@@ -266,7 +275,7 @@ class ModelShard:
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         """Hidden states ``[1, T, hidden]`` for ``token_ids`` (head only)."""
         self.ensure_head()
-        ids = torch.tensor([token_ids], dtype=torch.long)
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         return self.model.model.embed_tokens(ids).to(self.dtype)
 
     def new_cache(self):
@@ -285,7 +294,7 @@ class ModelShard:
         from transformers import masking_utils
 
         q_len = hidden.shape[1]
-        position_ids = torch.arange(past_len, past_len + q_len).unsqueeze(0)  # [1, T]
+        position_ids = torch.arange(past_len, past_len + q_len, device=hidden.device).unsqueeze(0)  # [1, T]
         hosted = range(start_layer, self.end)
         # one mask per layer type, each built against the first hosted layer of that type:
         # the cache's layer 0 is empty on a shard that does not host it
@@ -368,7 +377,8 @@ class ModelShard:
             out = self.run_layers(hidden, start_layer=start_layer, past_len=past_len, cache=cache)
             result = StepResult(hidden=out)
             if self.is_tail:
-                token_id = sample_token(self.logits_last(out), sampling, position=new_len)
+                # sampled on the host, whatever the device: the draw at a position is the same on every node
+                token_id = sample_token(self.logits_last(out).cpu(), sampling, position=new_len)
                 result = StepResult(token_id=token_id, text=self.tokenizer.token_text(token_id))
         except BaseException:
             if mode == "decode":  # the cache may hold part of this step now: a later decode must miss
@@ -385,7 +395,7 @@ class ModelShard:
 
     def _probe_kv_cache(self) -> bool:
         """Check once that the layers take and fill a cache; models that ignore it run stateless."""
-        hidden = torch.zeros(1, 2, self.info.hidden_size, dtype=self.dtype)
+        hidden = torch.zeros(1, 2, self.info.hidden_size, dtype=self.dtype, device=self.device)
         try:  # a failure without a cache is the architecture's, not the cache arguments'
             self.run_layers(hidden, start_layer=self.start, past_len=0, cache=None)
         except Exception as exc:  # noqa: BLE001 - whatever breaks, the user needs the same message

@@ -1,31 +1,33 @@
-"""Activation bytes <-> torch tensors. The only place wire bytes become tensors."""
+"""Activation bytes <-> torch tensors. The only place wire bytes become tensors, and tensors bytes.
+
+The wire is host memory: bytes arrive on the CPU and go to the compute device here, and a reply
+comes back to the CPU here, so a GPU node and a CPU node share a mesh.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from daemon.model.device import DTYPES
 from daemon.wire import Activation
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-
-def to_tensor(activation: Activation, *, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def to_tensor(activation: Activation, *, compute_dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> torch.Tensor:
     """Reinterpret validated activation bytes as a ``[1, T, hidden]`` tensor (no unpickling, ever)."""
     # the one copy: the layers get memory of their own, not the read-only request bytes
-    flat = torch.frombuffer(bytearray(activation.data), dtype=TORCH_DTYPES[activation.dtype])
-    return flat.view(activation.shape).to(compute_dtype)
+    flat = torch.frombuffer(bytearray(activation.data), dtype=DTYPES[activation.dtype])
+    return flat.view(activation.shape).to(device=device, dtype=compute_dtype)
 
 
 def to_activation(tensor: torch.Tensor, *, dtype: str = "float32") -> Activation:
-    """Raw little-endian bytes of ``tensor`` cast to the wire ``dtype``, without copying them again.
-
-    The bytes are a view of the (cast, contiguous) tensor, which the view keeps alive.
-    """
-    wire = tensor.detach().to(TORCH_DTYPES[dtype]).contiguous()
+    """Raw little-endian bytes of ``tensor`` cast to the wire ``dtype``, in host memory, without copying them
+    again. The bytes are a view of the (cast, contiguous, host) tensor, which the view keeps alive."""
+    wire = tensor.detach().to(DTYPES[dtype]).cpu().contiguous()
     data = memoryview(wire.view(torch.uint8).reshape(-1).numpy()) if wire.numel() else b""
     return Activation(dtype=dtype, shape=tuple(wire.shape), data=data)
 
 
 def as_sent(tensor: torch.Tensor, *, wire_dtype: str, compute_dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` as the next hop would see it after a trip over the wire in ``wire_dtype``, without the bytes."""
-    return tensor.to(TORCH_DTYPES[wire_dtype]).to(compute_dtype)
+    return tensor.to(DTYPES[wire_dtype]).to(compute_dtype)

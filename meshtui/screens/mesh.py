@@ -10,18 +10,19 @@ from textual.widgets import Static
 
 from daemon.api import RouteHopInfo, RouteInfo
 from meshtui.state import MeshState, NodeState, RouteChange, layer_runs
-from meshtui.widgets.formatting import format_clock, format_duration, plural, short_node, short_url
+from meshtui.widgets.formatting import format_bytes, format_clock, format_duration, plural, short_node, short_url
 from meshtui.widgets.keyed_table import KeyedTable
 from meshtui.widgets.layer_map import LayerHop, LayerMap, LayerRow
 from meshtui.widgets.section import Section
 
-NODE_COLUMNS = [("node", "node"), ("state", "state"), ("model", "model"), ("layers", "layers"),
-                ("roles", "roles"), ("cache", "cache"), ("load", "load"), ("served", "steps served")]
+# "runs in": the node's compute dtype and device; "peak": its process's peak resident memory (VmHWM)
+NODE_COLUMNS = [("node", "node"), ("state", "state"), ("layers", "layers"), ("roles", "roles"), ("cache", "cache"),
+                ("runs", "runs in"), ("peak", "peak"), ("load", "load"), ("served", "steps served")]
+DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 # "runs" starts at the hop's start layer; latency is the head's moving average of a decode step on the hop,
 # end to end, with the share that is not the node's compute (wire, HTTP, queueing) as "net"
 ROUTE_COLUMNS = [("hop", "hop"), ("node", "node"), ("hosts", "hosts"), ("runs", "runs"), ("cache", "cache"),
                  ("latency", "latency")]
-MODEL_WIDTH = 14
 EVENT_STYLES = {"failover": "bold yellow", "reroute": "bold cyan", "no_route": "bold red"}
 
 
@@ -102,15 +103,14 @@ class MeshView(VerticalScroll):
         else:
             state = Text("… polling", style="dim")
         if status is None:
-            return [label, state, "", "", "", "", "", ""]
-        model = status.model.name
-        if len(model) > MODEL_WIDTH:
-            model = model[: MODEL_WIDTH - 1] + "…"
+            return [label, state, "", "", "", "", "", "", ""]
         cache = ("on" if status.kv_cache_enabled else "off") if status.supports_kv_cache else "n/a"
         load = _load(status) if node.up else ""
-        return [label, state, model, status.layers, " ".join(status.roles),
-                Text(cache, style="" if cache == "on" else "yellow"), Text(load or "idle", style="" if load else "dim"),
-                f"{status.steps_served:,}"]
+        runs = f"{DTYPE_SHORT.get(status.dtype, status.dtype)} {status.device}".strip()
+        peak = status.memory.peak_rss_bytes
+        return [label, state, status.layers, " ".join(status.roles),
+                Text(cache, style="" if cache == "on" else "yellow"), runs, format_bytes(peak) if peak else "",
+                Text(load or "idle", style="" if load else "dim"), f"{status.steps_served:,}"]
 
     def _summary(self) -> Text:
         state = self.state
