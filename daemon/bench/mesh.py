@@ -21,11 +21,11 @@ from daemon.bench.reference import PROMPT
 class Mesh:
     """meshd processes on 127.0.0.1, the first one the head; stopped by :meth:`stop`.
 
-    ``specs``: per node, its inclusive layer range and extra arguments.
+    ``specs``: per node, its inclusive layer range and extra arguments; ``node_args`` go to every node.
     """
 
     def __init__(self, name: str, specs: list[tuple[str, list[str]]], model: str | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, node_args: list[str] = ()) -> None:
         self.name, self.specs, self.model, self.threads = name, specs, model, threads
         # a mesh with a token (the daemons inherit MESHNET_TOKEN) wants it on every request
         self.headers = {"Content-Type": "application/json"} | auth_headers(os.environ.get("MESHNET_TOKEN"))
@@ -33,8 +33,9 @@ class Mesh:
         self.procs: list[MeshdProcess] = []
         ports = [free_port() for _ in self.specs]
         self.port = ports[0]
+        self.ports = ports
         for i, ((layers, extra), port) in enumerate(zip(self.specs, ports)):
-            args = ["--layers", layers, "--port", str(port), *extra]
+            args = ["--layers", layers, "--port", str(port), *node_args, *extra]
             args += ["--model", self.model] if self.model else []
             args += ["--threads", str(self.threads)] if self.threads else []
             args += [a for p in ports if p != port for a in ("--peer", node_url(LOOPBACK, p))]
@@ -53,8 +54,9 @@ class Mesh:
         self.stop()
         raise RuntimeError(f"the {self.name} mesh did not come up; logs in {self.log_dir}")
 
-    def _request(self, method: str, path: str, body: dict | None = None, timeout: float = 5.0) -> dict:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+    def _request(self, method: str, path: str, body: dict | None = None, timeout: float = 5.0,
+                 port: int | None = None) -> dict:
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=timeout)
         try:
             conn.request(method, path, json.dumps(body) if body is not None else None, self.headers)
             resp = conn.getresponse()
@@ -98,9 +100,27 @@ class Mesh:
         progress.end()
         return mesh_row(stats)
 
+    def memory(self) -> list[dict]:
+        """Per node: its layers, the bytes of weights it holds, and its process's peak resident set so far."""
+        nodes = []
+        for (layers, _), port, proc in zip(self.specs, self.ports, self.procs):
+            status = self._request("GET", "/v1/status", port=port)
+            nodes.append({"layers": layers, "dtype": status.get("dtype"),
+                          "weights_bytes": sum(status["weights_bytes"].values()),
+                          "peak_rss_bytes": _peak_rss_bytes(proc.pid)})
+        return nodes
+
     def stop(self) -> None:
         """SIGINT every node, give them 15 s together, then SIGKILL what is left."""
         stop_all(self.procs, signum=signal.SIGINT, grace=15.0)
+
+
+def _peak_rss_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next((int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:")), None)
+    except OSError:
+        return None
 
 
 def mesh_row(stats: dict) -> dict:

@@ -14,11 +14,11 @@ PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse kee
 class Reference:
     """The whole model in this process, generating with ``model.generate``: the limit of the mesh."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, dtype: str = "float32") -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder)
         ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt")
         self.ids = ids["input_ids"] if hasattr(ids, "keys") else ids
@@ -54,7 +54,7 @@ class Reference:
         import torch
 
         torch.set_num_threads(threads)
-        progress = Progress(f"generate, {threads} thread(s), {tokens} tokens", tokens)
+        progress = Progress(f"generate in {self.model.dtype}, {threads} thread(s), {tokens} tokens", tokens)
         token_ids, times = self._generate(tokens, progress)
         progress.end()
         step_ms = [(b - a) * 1000.0 for a, b in zip(times[1:], times[2:])]

@@ -48,37 +48,45 @@ def _read_lines(path: str) -> list[str]:
         return []
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def check_targets(rows: list[dict], hidden_size: int) -> list[dict]:
-    """Each target of the README's "Speed" section against this run's rows (where the run measured it)."""
-    by = {(r["setup"], r["new_tokens"]): r for r in rows}
-    counts = sorted({r["new_tokens"] for r in rows})
-    long = max((n for n in counts if n >= 512), default=None)
+    """Each target of the README's "Speed" section against this run's rows (where the run measured it),
+    per precision: a bfloat16 mesh is held to generate in bfloat16, its hops to bfloat16's bytes."""
     checks = []
 
     def check(name: str, value, limit: float, *, at_least: bool) -> None:
         if value is not None:
             ok = value >= limit if at_least else value <= limit
-            checks.append({"target": name, "value": value, "limit": limit, "at_least": at_least, "met": ok})
+            checks.append({"target": name, "precision": precision, "value": value, "limit": limit,
+                           "at_least": at_least, "met": ok})
 
-    for n in counts:
-        cached = by.get(("mesh, 2 nodes, cached", n))
-        if cached is not None:
-            check(f"2-node cached vs generate, {n} tokens", cached.get("ratio"), TARGET_RATIO, at_least=True)
-    if long is not None and (cached := by.get(("mesh, 2 nodes, cached", long))):
-        check(f"2-node cached last-{WINDOW} / first-{WINDOW} tokens/s, {long} tokens", cached["decay"],
-              TARGET_DECAY, at_least=True)
-        stateless = by.get(("mesh, 2 nodes, stateless", long))
-        if stateless is not None and stateless["decode_tps"]:
-            check(f"2-node cached vs stateless, {long} tokens", cached["decode_tps"] / stateless["decode_tps"],
-                  TARGET_VS_STATELESS, at_least=True)
-    for setup in ("mesh, 2 nodes, cached", "mesh, 3 nodes, cached"):
-        measured = [r for r in rows if r["setup"] == setup and r.get("overhead_ms_per_hop_step") is not None]
-        if measured:
-            check(f"{setup}: overhead per hop per decode step (ms)",
-                  max(r["overhead_ms_per_hop_step"] for r in measured), TARGET_OVERHEAD_MS, at_least=False)
-            check(f"{setup}: bytes sent per hop per decode step",
-                  max(r["wire_bytes_per_hop_step"] for r in measured), hidden_size * 4 + TARGET_EXTRA_BYTES,
-                  at_least=False)
+    for precision in dict.fromkeys(r.get("precision", "float32") for r in rows):
+        ours = [r for r in rows if r.get("precision", "float32") == precision]
+        by = {(r["setup"], r["new_tokens"]): r for r in ours}
+        counts = sorted({r["new_tokens"] for r in ours})
+        long = max((n for n in counts if n >= 512), default=None)
+        for n in counts:
+            cached = by.get(("mesh, 2 nodes, cached", n))
+            if cached is not None:
+                check(f"2-node cached vs generate, {n} tokens", cached.get("ratio"), TARGET_RATIO,
+                      at_least=True)
+        if long is not None and (cached := by.get(("mesh, 2 nodes, cached", long))):
+            check(f"2-node cached last-{WINDOW} / first-{WINDOW} tokens/s, {long} tokens",
+                  cached["decay"], TARGET_DECAY, at_least=True)
+            stateless = by.get(("mesh, 2 nodes, stateless", long))
+            if stateless is not None and stateless["decode_tps"]:
+                check(f"2-node cached vs stateless, {long} tokens",
+                      cached["decode_tps"] / stateless["decode_tps"], TARGET_VS_STATELESS, at_least=True)
+        for setup in ("mesh, 2 nodes, cached", "mesh, 3 nodes, cached"):
+            measured = [r for r in ours if r["setup"] == setup and r.get("overhead_ms_per_hop_step") is not None]
+            if measured:
+                check(f"{setup}: overhead per hop per decode step (ms)",
+                      max(r["overhead_ms_per_hop_step"] for r in measured), TARGET_OVERHEAD_MS, at_least=False)
+                check(f"{setup}: bytes sent per hop per decode step",
+                      max(r["wire_bytes_per_hop_step"] for r in measured),
+                      hidden_size * DTYPE_BYTES.get(precision, 4) + TARGET_EXTRA_BYTES, at_least=False)
     return checks
 
 
@@ -88,23 +96,27 @@ def _fmt(value, spec: str, width: int) -> str:
 
 def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floor: dict) -> None:
     """The run's rows, concurrent sessions, loopback floor and targets, as a table on stdout."""
-    header = (f"{'setup':<34} {'tokens':>6} {'prefill ms':>10} {'tok/s':>7} {'first10':>7} {'last10':>7} "
-              f"{'decay':>5} {'B/hop/step':>10} {'ovh ms/hop':>10} {'vs gen':>7} {'same':>4}")
+    header = (f"{'setup':<34} {'dtype':>8} {'tokens':>6} {'prefill ms':>10} {'tok/s':>7} {'first10':>7} "
+              f"{'last10':>7} {'decay':>5} {'B/hop/step':>10} {'ovh ms/hop':>10} {'vs gen':>7} {'same':>4} "
+              f"{'peak MiB/node':>15} {'load':>5}")
     print(header)
     print("-" * len(header))
     for r in rows:
         same = {True: "yes", False: "NO", None: "-"}[r.get("tokens_match")]
-        print(f"{r['setup']:<34} {r['new_tokens']:>6} {_fmt(r['prefill_ms'], '.1f', 10)} "
+        peaks = "/".join(f"{n['peak_rss_bytes'] / 2**20:.0f}" for n in r.get("nodes", []) if n["peak_rss_bytes"])
+        print(f"{r['setup']:<34} {r.get('precision', '-'):>8} {r['new_tokens']:>6} {_fmt(r['prefill_ms'], '.1f', 10)} "
               f"{_fmt(r['decode_tps'], '.2f', 7)} {_fmt(r['first10_tps'], '.2f', 7)} "
               f"{_fmt(r['last10_tps'], '.2f', 7)} {_fmt(r['decay'], '.2f', 5)} "
               f"{_fmt(r.get('wire_bytes_per_hop_step'), '.0f', 10)} "
-              f"{_fmt(r.get('overhead_ms_per_hop_step'), '.2f', 10)} {_fmt(r['ratio'], '.2f', 6)}x {same:>4}")
+              f"{_fmt(r.get('overhead_ms_per_hop_step'), '.2f', 10)} {_fmt(r['ratio'], '.2f', 6)}x {same:>4} "
+              f"{peaks or '-':>15} {_fmt(r.get('load'), '.2f', 5)}")
     if sessions:
         print()
-        print(f"{'concurrent sessions (2 nodes, cached)':<40} {'tokens each':>11} {'wall s':>8} "
+        print(f"{'concurrent sessions (2 nodes, cached)':<40} {'dtype':>8} {'tokens each':>11} {'wall s':>8} "
               f"{'aggregate tok/s':>16}")
         for s in sessions:
-            print(f"{s['sessions']:<40} {s['tokens_each']:>11} {s['wall_s']:>8.1f} {s['aggregate_tps']:>16.2f}")
+            print(f"{s['sessions']:<40} {s.get('precision', '-'):>8} {s['tokens_each']:>11} {s['wall_s']:>8.1f} "
+                  f"{s['aggregate_tps']:>16.2f}")
     print()
     print(f"loopback floor: a bare hop on the same HTTP stack with one hand-off to a worker thread costs "
           f"{floor['median_ms']:.2f} ms (median; min {floor['min_ms']:.2f}) around a {floor['pause_ms']:.0f} ms "
@@ -113,4 +125,5 @@ def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floo
         print()
         for c in checks:
             op = ">=" if c["at_least"] else "<="
-            print(f"{'met ' if c['met'] else 'MISS'} {c['target']}: {c['value']:.2f} (target {op} {c['limit']:g})")
+            print(f"{'met ' if c['met'] else 'MISS'} {c.get('precision', '')} {c['target']}: {c['value']:.2f} "
+                  f"(target {op} {c['limit']:g})")

@@ -1,13 +1,15 @@
 """``meshd bench``: the mesh measured side by side with one process running the same model.
 
 Every row runs in this one invocation on this one machine, so the ratios are
-comparable even on a shared, noisy host. For each number of new tokens it
-measures single-process ``transformers`` ``generate`` (the limit), a two-node
-mesh with the KV cache, the same mesh stateless (``--no-kv-cache``) and a
-three-node mesh, then many sessions at once on the two-node mesh. Each mesh run
-follows a run of ``generate`` straight before it, and a mesh row's ratio is the
-median of those pairs' ratios. It prints a table and writes the same numbers,
-with the targets they are held to, as JSON.
+comparable even on a shared, noisy host. For each precision (compute dtype) and
+each number of new tokens it measures single-process ``transformers`` ``generate``
+in that dtype (the limit), a two-node mesh with the KV cache, the same mesh
+stateless (``--no-kv-cache``) and a three-node mesh, then many sessions at once
+on the two-node mesh. Each mesh run follows a run of ``generate`` straight before
+it, and a mesh row's ratio is the median of those pairs' ratios; each mesh row
+also has its nodes' peak resident memory next to the weights they hold, and every
+row the host's load average when it ended. It prints a table and writes the same
+numbers, with the targets they are held to, as JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from daemon.bench.reference import Reference
 from daemon.bench.report import check_targets, machine, print_table, window_tps
 
 SETUPS = ("generate", "cached", "stateless", "three")
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 
 
 def fastest(times: int, run, *args) -> dict:
@@ -50,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS),
                         help="what to measure (default all): generate, cached (2 nodes), stateless (2 nodes), "
                         "three (3 nodes, cached)")
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["auto"],
+                        help="compute dtypes to measure, each against generate in the same dtype (default auto: "
+                        "what meshd runs in on this machine)")
     parser.add_argument("--threads", type=int, help="torch threads per daemon (default: meshd's own, which shares "
                         "the cores among the daemons computing at each moment)")
     parser.add_argument("--reference-threads", type=int, nargs="+",
@@ -69,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
 
+    from daemon.model.device import dtype_name, resolve_device, resolve_dtype
     from daemon.model.shard import read_model_info
     from daemon.model.source import resolve_model
 
@@ -84,17 +91,47 @@ def main(argv: list[str] | None = None) -> int:
                       [(f"0-{half - 1}", ["--no-kv-cache"]), (f"{half}-{n - 1}", ["--no-kv-cache"])]),
         "three": ("mesh, 3 nodes, cached", [(layers, []) for layers in _thirds(n)]),
     }
-    say(f"{info.name}, {n} layers, hidden size {info.hidden_size}; {cores} cores; tokens {args.tokens}")
+    precisions = list(dict.fromkeys(dtype_name(resolve_dtype(p, resolve_device("cpu"))) for p in args.precisions))
+    say(f"{info.name}, {n} layers, hidden size {info.hidden_size}; {cores} cores; tokens {args.tokens}; "
+        f"in {', '.join(precisions)}")
+    rows: list[dict] = []
+    sessions: list[dict] = []
+    for precision in precisions:
+        _measure_precision(args, folder, precision, meshes, rows, sessions)
+    order = [name for name, _ in meshes.values()]
+    rows.sort(key=lambda r: (precisions.index(r["precision"]), r["new_tokens"],
+                             order.index(r["setup"]) if r["setup"] in order else -1, r["setup"]))
 
+    cached = [r for r in rows if r["setup"] == meshes["cached"][0] and r.get("hops")]
+    remote = [h for r in cached for h in r["hops"] if not h["local"] and h["steps"]]
+    pause = sum(h["compute_ms"] for h in remote) / sum(h["steps"] for h in remote) if remote else 40.0
+    say(f"loopback floor: a bare hop around a {pause:.0f} ms pause")
+    floor = loopback_floor(pause)
+    checks = check_targets(rows, info.hidden_size)
+    print_table(rows, sessions, checks, floor)
+    host["load_average_at_end"] = os.getloadavg()
+    out = {
+        "machine": host,
+        "model": {"name": info.name, "layers": n, "hidden_size": info.hidden_size},
+        "threads_per_daemon": args.threads or "adaptive (meshd default)",
+        "rows": rows, "sessions": sessions, "targets": checks, "loopback_floor": floor,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    say(f"wrote {args.json}")
+    return 0
+
+
+def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: list[dict],
+                       sessions: list[dict]) -> None:
+    """Every setup of the run in one compute dtype, each against ``generate`` in that dtype."""
     reference: dict[int, dict] = {}  # new tokens -> the fastest single-process generate
     best_threads: dict[int, int] = {}  # new tokens -> the thread count of that run
     ref_model = None
-    ref_threads = sorted(set(args.reference_threads or [1, cores]))
+    ref_threads = sorted(set(args.reference_threads or [1, host_cores()]))
     if "generate" in args.setups:
-        say("loading the model for single-process generate")
-        ref_model = Reference(folder)
-    rows: list[dict] = []
-    sessions: list[dict] = []
+        say(f"loading the model for single-process generate in {precision}")
+        ref_model = Reference(folder, precision)
 
     def add(setup: str, tokens: int, result: dict) -> None:
         ref = reference.get(tokens)
@@ -104,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             ratio = statistics.median(result["paired_ratios"])
         first, last = window_tps(result["step_ms"], last=False), window_tps(result["step_ms"], last=True)
         same = result["token_ids"] == ref["token_ids"] if ref and result is not ref else None
-        rows.append({"setup": setup, "new_tokens": tokens, **result, "first10_tps": first, "last10_tps": last,
-                     "decay": last / first if first and last else None, "ratio": ratio, "tokens_match": same})
+        rows.append({"setup": setup, "precision": precision, "new_tokens": tokens, **result, "first10_tps": first,
+                     "last10_tps": last, "decay": last / first if first and last else None, "ratio": ratio,
+                     "tokens_match": same, "load": os.getloadavg()[0]})
 
     def measure_reference(tokens: int) -> None:
         if ref_model is None or tokens in reference:
@@ -137,38 +175,18 @@ def main(argv: list[str] | None = None) -> int:
         if key not in args.setups:
             continue
         name, specs = meshes[key]
-        say(f"starting {name}")
-        mesh = Mesh(name, specs, args.model, args.threads)
+        say(f"starting {name} in {precision}")
+        mesh = Mesh(name, specs, args.model, args.threads, node_args=["--dtype", precision])
         try:
             mesh.generate(4)  # warm-up: connections, route measurements, lazy loads
             for tokens in args.tokens:
                 measure_reference(tokens)  # right before the mesh it is compared with, so both see the same load
-                add(name, tokens, measure_mesh(mesh, tokens, 1 if key == "stateless" else args.repeat))
+                add(name, tokens, measure_mesh(mesh, tokens, 1 if key == "stateless" else args.repeat)
+                    | {"nodes": mesh.memory()})
             if key == "cached" and args.sessions > 0:
-                sessions.append(many_sessions(mesh, 1, args.session_tokens))
-                sessions.append(many_sessions(mesh, args.sessions, args.session_tokens))
+                for count in (1, args.sessions):
+                    sessions.append(many_sessions(mesh, count, args.session_tokens) | {"precision": precision})
         finally:
             mesh.stop()
     for tokens in args.tokens:
         measure_reference(tokens)
-    order = [name for name, _ in meshes.values()]
-    rows.sort(key=lambda r: (r["new_tokens"], order.index(r["setup"]) if r["setup"] in order else -1, r["setup"]))
-
-    cached = [r for r in rows if r["setup"] == meshes["cached"][0] and r.get("hops")]
-    remote = [h for r in cached for h in r["hops"] if not h["local"] and h["steps"]]
-    pause = sum(h["compute_ms"] for h in remote) / sum(h["steps"] for h in remote) if remote else 40.0
-    say(f"loopback floor: a bare hop around a {pause:.0f} ms pause")
-    floor = loopback_floor(pause)
-    checks = check_targets(rows, info.hidden_size)
-    print_table(rows, sessions, checks, floor)
-    host["load_average_at_end"] = os.getloadavg()
-    out = {
-        "machine": host,
-        "model": {"name": info.name, "layers": n, "hidden_size": info.hidden_size},
-        "threads_per_daemon": args.threads or "adaptive (meshd default)",
-        "rows": rows, "sessions": sessions, "targets": checks, "loopback_floor": floor,
-    }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1))
-    say(f"wrote {args.json}")
-    return 0
