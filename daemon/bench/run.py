@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["auto"],
                         help="compute dtypes to measure, each against generate in the same dtype (default auto: "
                         "what meshd runs in on this machine)")
+    parser.add_argument("--device", default="cpu", help="where every node and the reference compute: cpu, cuda, "
+                        "cuda:N or mps (default cpu)")
     parser.add_argument("--threads", type=int, help="torch threads per daemon (default: meshd's own, which shares "
                         "the cores among the daemons computing at each moment)")
     parser.add_argument("--reference-threads", type=int, nargs="+",
@@ -91,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
                       [(f"0-{half - 1}", ["--no-kv-cache"]), (f"{half}-{n - 1}", ["--no-kv-cache"])]),
         "three": ("mesh, 3 nodes, cached", [(layers, []) for layers in _thirds(n)]),
     }
-    precisions = list(dict.fromkeys(dtype_name(resolve_dtype(p, resolve_device("cpu"))) for p in args.precisions))
+    device = resolve_device(args.device)
+    precisions = list(dict.fromkeys(dtype_name(resolve_dtype(p, device)) for p in args.precisions))
     say(f"{info.name}, {n} layers, hidden size {info.hidden_size}; {cores} cores; tokens {args.tokens}; "
-        f"in {', '.join(precisions)}")
+        f"in {', '.join(precisions)} on {device}")
     rows: list[dict] = []
     sessions: list[dict] = []
     for precision in precisions:
@@ -131,7 +134,7 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
     ref_threads = sorted(set(args.reference_threads or [1, host_cores()]))
     if "generate" in args.setups:
         say(f"loading the model for single-process generate in {precision}")
-        ref_model = Reference(folder, precision)
+        ref_model = Reference(folder, precision, args.device)
 
     def add(setup: str, tokens: int, result: dict) -> None:
         ref = reference.get(tokens)
@@ -176,7 +179,7 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
             continue
         name, specs = meshes[key]
         say(f"starting {name} in {precision}")
-        mesh = Mesh(name, specs, args.model, args.threads, node_args=["--dtype", precision])
+        mesh = Mesh(name, specs, args.model, args.threads, node_args=["--dtype", precision, "--device", args.device])
         try:
             mesh.generate(4)  # warm-up: connections, route measurements, lazy loads
             for tokens in args.tokens:
