@@ -127,6 +127,24 @@ def test_a_gguf_file_counts_as_its_conversion(default_model):
             converted.tied)
 
 
+def test_a_cache_the_planner_does_not_understand_is_said_not_guessed(tmp_path):
+    from transformers import DeepseekV3Config
+
+    # latent attention (MLA): the planner knows its weights from the skeleton, not its cache's shape
+    DeepseekV3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                     num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+                     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16).save_pretrained(tmp_path)
+    text = meshd_plan("--model", str(tmp_path), "--node", "1GiB", "--node", "1GiB")
+    assert text.returncode == 0, text.stderr
+    assert "Sessions not estimated: deepseek_v3: latent (MLA) attention caches are not understood" in text.stdout
+    plan = plan_of("--model", str(tmp_path), "--node", "1GiB", "--node", "1GiB")
+    assert plan["sessions"] is None and plan["kv_bytes_per_token_per_layer"] is None
+    assert all(n["sessions"] is None and "--kv-max-sessions" not in n["command"] for n in plan["nodes"])
+    dense, moe = plan["layer_bytes"][0], plan["layer_bytes"][1]
+    assert dense != moe and plan["layer_bytes"][1:] == [moe, moe]  # layer 0 dense, then MoE
+
+
 # ---- the split ---------------------------------------------------------------------------------------
 
 

@@ -14,12 +14,11 @@ per-layer cache types ``DynamicCache(config=...)`` builds.
 
 from __future__ import annotations
 
-import json
-import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.errors import ModelUnavailable
+from daemon.model.checkpoint import check_checkpoint, gguf_values, safetensors_values
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 QUANTIZATIONS = ("int8",)
@@ -144,7 +143,6 @@ class ModelFootprint:
     max_positions: int | None
     caches: tuple[LayerCache, ...] | None  # None: not understood (see cache_unknown)
     cache_unknown: str | None = None
-    layer_kinds: tuple[str, ...] = field(default=())
 
     @property
     def num_layers(self) -> int:
@@ -204,18 +202,21 @@ def read_footprint(model: str | None, *, progress=lambda line: None) -> ModelFoo
 
     path = Path(model).expanduser() if model and model.strip() else None
     if path is not None and path.is_file() and path.suffix.lower() == ".gguf":
-        config, checkpoint = _gguf_config(path), _gguf_values(path)
+        config, checkpoint = _gguf_config(path), gguf_values(path)
         name, source = path.stem, "GGUF header"
     elif path is not None and path.is_dir() and not _has_weights(path):
         config, checkpoint = _folder_config(path), None
         name, source = path.name, "config only"
     else:
         folder = resolve_model(model, progress=progress)
-        config, checkpoint = _folder_config(folder), _safetensors_values(folder)
+        config, checkpoint = _folder_config(folder), safetensors_values(folder)
         name, source = folder.name, "safetensors headers"
     footprint = _count_skeleton(config, name, source)
     if checkpoint is not None:
-        _check_checkpoint(footprint, checkpoint, name)
+        wanted = {f"layer {i}": layer.values for i, layer in enumerate(footprint.layers)}
+        wanted |= {"embeddings": footprint.embeddings.values, "final norm": footprint.final_norm.values,
+                   "LM head": footprint.lm_head.values}
+        check_checkpoint(wanted, checkpoint, name)
     return footprint
 
 
@@ -268,7 +269,6 @@ def _count_skeleton(config, name: str, source: str) -> ModelFootprint:
     tied = bool(getattr(config, "tie_word_embeddings", False))  # as the shard decides
     text = config.get_text_config(decoder=True)
     caches, unknown = _layer_caches(text)
-    kinds = tuple(c.kind for c in caches) if caches else ()
     return ModelFootprint(
         name=name,
         model_type=config.model_type,
@@ -281,7 +281,6 @@ def _count_skeleton(config, name: str, source: str) -> ModelFootprint:
         max_positions=getattr(text, "max_position_embeddings", None),
         caches=caches,
         cache_unknown=unknown,
-        layer_kinds=kinds,
     )
 
 
@@ -325,81 +324,3 @@ def _layer_caches(text) -> tuple[tuple[LayerCache, ...] | None, str | None]:
         else:
             return None, f"{text.model_type}: the cache of {kind!r} layers is not understood by the planner"
     return tuple(caches), None
-
-
-# ---- checkpoint headers ---------------------------------------------------------------------------
-
-
-def _safetensors_values(folder: Path) -> dict[str, int]:
-    """Values per part (``layer N``, ``embeddings``, ``final norm``, ``LM head``) from the safetensors headers."""
-    from daemon.model.shard import _LAYER_KEY, _NORM_KEY  # the shard's own rules for which key is which part
-
-    totals: dict[str, int] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        for key, info in _safetensors_header(file).items():
-            if key == "__metadata__":
-                continue
-            if m := _LAYER_KEY.search(key):
-                part = f"layer {int(m.group(1))}"
-            elif "embed_tokens" in key:
-                part = "embeddings"
-            elif key.startswith("lm_head."):
-                part = "LM head"
-            elif _NORM_KEY.search(key):
-                part = "final norm"
-            else:
-                continue
-            totals[part] = totals.get(part, 0) + _product(info["shape"])
-    return totals
-
-
-def _safetensors_header(file: Path) -> dict:
-    """The JSON header of a ``.safetensors`` file: each tensor's dtype, shape and offsets (no tensor data)."""
-    try:
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > 100_000_000:  # the format caps headers at 100 MB
-                raise ValueError(f"a header of {length} bytes")
-            return json.loads(f.read(length))
-    except (OSError, struct.error, ValueError) as exc:
-        raise ModelUnavailable(f"{file}: not a readable safetensors file ({exc})") from None
-
-
-def _gguf_values(path: Path) -> dict[str, int]:
-    """Values per part from a GGUF file's tensor table (no tensor data)."""
-    from transformers.integrations.gguf.reader import GgufHeader
-
-    try:
-        header = GgufHeader.from_file(str(path))
-    except Exception as exc:  # noqa: BLE001 - a damaged file fails in many ways, all the same to the user
-        raise ModelUnavailable(f"--model {path}: not a valid GGUF file ({type(exc).__name__}: {exc})") from None
-    totals: dict[str, int] = {}
-    for tensor in header.tensors:
-        prefix = tensor.name.split(".")
-        if prefix[0] == "blk":
-            part = f"layer {int(prefix[1])}"
-        else:
-            part = {"token_embd": "embeddings", "output_norm": "final norm", "output": "LM head"}.get(prefix[0])
-            if part is None:
-                continue
-        totals[part] = totals.get(part, 0) + _product(tensor.shape)
-    return totals
-
-
-def _product(shape) -> int:
-    total = 1
-    for dim in shape:
-        total *= int(dim)
-    return total
-
-
-def _check_checkpoint(footprint: ModelFootprint, checkpoint: dict[str, int], name: str) -> None:
-    """Refuse a checkpoint that lacks a part the count includes, as a shard loading it would."""
-    wanted = {f"layer {i}": layer.values for i, layer in enumerate(footprint.layers)}
-    wanted |= {"embeddings": footprint.embeddings.values, "final norm": footprint.final_norm.values,
-               "LM head": footprint.lm_head.values}
-    for part, values in wanted.items():
-        held = checkpoint.get(part, 0)
-        if held < values:
-            raise ModelUnavailable(f"the checkpoint of {name} holds {held} values for {part}, its config "
-                                   f"describes {values}: the files do not match the config")

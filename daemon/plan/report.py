@@ -20,7 +20,7 @@ def node_command(plan: MeshPlan, node: NodePlan, model: str | None) -> str:
         words += ["--dtype", plan.precision.dtype]
     if plan.precision.quantize:
         words += ["--quantize", plan.precision.quantize]
-    words += ["--kv-max-bytes", str(max(node.kv_room, 0))]
+    words += ["--kv-max-bytes", str(node.kv_room)]
     if node.sessions:
         words += ["--kv-max-sessions", str(node.sessions)]
     return " ".join(words)
@@ -72,8 +72,7 @@ def _describe_weights(footprint: ModelFootprint, precision: Precision) -> list[s
             else f"{format_bytes(min(sizes))} to {format_bytes(max(sizes))}")
     n = footprint.num_layers
     parts = footprint.weights_bytes(n, n, precision)
-    head = ("tied to the embeddings" if footprint.tied
-            else format_bytes(parts["final_norm_and_lm_head"] - footprint.final_norm.nbytes(precision)))
+    head = "tied to the embeddings" if footprint.tied else format_bytes(footprint.lm_head.nbytes(precision))
     return [f"  weights    layers {each}, {format_bytes(sum(sizes))} in all; embeddings "
             f"{format_bytes(parts['embeddings'])} on every node (any node can head)",
             f"             the tail adds the final norm ({format_bytes(footprint.final_norm.nbytes(precision))}) "
