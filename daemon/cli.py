@@ -221,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         from daemon.bench import main as bench
 
         return bench(argv[1:])
+    if argv[:1] == ["plan"]:
+        from daemon.plan import main as plan
+
+        return plan(argv[1:])
     return serve(argv)
 
 

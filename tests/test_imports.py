@@ -10,7 +10,7 @@ modules together). Layers of the daemon, lowest first (DESIGN.md: ``server -> me
     mesh                        the head: routes, the generation loop
     server                      aiohttp handlers
     node                        the wiring
-    bench                       meshd bench: its own tree, which never imports the command line
+    bench, plan                 meshd bench, meshd plan: their own trees, which never import the command line
     cli                         meshd's command line (``meshd bench`` imports the bench lazily)
 """
 
@@ -31,7 +31,7 @@ LAYERS = [
     ("daemon.mesh",),
     ("daemon.server",),
     ("daemon.node",),
-    ("daemon.bench",),
+    ("daemon.bench", "daemon.plan"),
     ("daemon.cli",),
 ]
 
