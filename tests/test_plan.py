@@ -65,6 +65,7 @@ def test_bad_input_is_one_line(args, code, expected):
     assert expected in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_more_nodes_than_layers_and_a_context_past_the_model_are_refused(tiny_model):
     model = str(tiny_model("llama"))  # 4 layers, 1024 positions
     for args, expected in ((["--node", "1GiB"] * 5, "5 nodes for a model of 4 layers"),
@@ -74,6 +75,7 @@ def test_more_nodes_than_layers_and_a_context_past_the_model_are_refused(tiny_mo
         assert result.stderr.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_a_checkpoint_missing_a_layer_is_refused(tiny_model, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -127,6 +129,7 @@ def test_a_gguf_file_counts_as_its_conversion(default_model):
             converted.tied)
 
 
+@pytest.mark.slow
 def test_a_cache_the_planner_does_not_understand_is_said_not_guessed(tmp_path):
     from transformers import DeepseekV3Config
 
@@ -234,6 +237,7 @@ def start_nodes(model, plan: dict) -> list[Daemon]:
     return nodes
 
 
+@pytest.mark.slow
 def test_tiny_untied_model_weights_match_three_running_nodes(tiny_model):
     model = tiny_model("llama")  # untied: the tail holds an LM head as large as the embeddings
     plan = plan_of("--model", str(model), "--node", "12.9MB", "--node", "12.8MB", "--node", "25.4MB",
@@ -297,7 +301,7 @@ def test_builtin_model_weights_and_cache_match_two_running_nodes(default_model):
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "mistral", "phi3", "gemma2", "gemma3_text")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=() if a == "llama" else pytest.mark.slow) for a in ARCHS])
 def test_bfloat16_weights_and_caches_match_real_shards(tiny_model, arch):
     import torch
 
@@ -330,7 +334,8 @@ def test_builtin_model_in_bfloat16_matches_a_real_shard(default_model):
     assert sum(shard.loaded_bytes().values()) == sum(footprint.weights_bytes(20, 30, Precision("bfloat16")).values())
 
 
-@pytest.mark.parametrize("arch", ("llama", "qwen3_moe", "qwen3_next"))
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=() if a == "llama" else pytest.mark.slow)
+                                  for a in ("llama", "qwen3_moe", "qwen3_next")])
 def test_int8_counts_the_linear_weights_of_the_loaded_layers(tiny_model, arch):
     import torch
 
@@ -351,6 +356,7 @@ def test_int8_counts_the_linear_weights_of_the_loaded_layers(tiny_model, arch):
 # ---- the report ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_table_and_the_json_propose_the_same_commands(tiny_model):
     model = str(tiny_model("qwen3_next"))
     args = ["--model", model, "--node", "40MB", "--node", "40MB", "--dtype", "bfloat16", "--reserve", "10MB"]
@@ -366,6 +372,7 @@ def test_the_table_and_the_json_propose_the_same_commands(tiny_model):
         assert f"--kv-max-bytes {node['kv_max_bytes']}" in node["command"]
 
 
+@pytest.mark.slow
 def test_a_model_that_does_not_fit_exits_1_with_what_would(tmp_path):
     from transformers import LlamaConfig
 
