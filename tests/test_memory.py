@@ -53,6 +53,7 @@ def loaded(folder, layers: str, dtype: str, tmp_path) -> tuple[int, dict]:
         node.stop()
 
 
+@pytest.mark.slow
 def test_a_node_peaks_at_its_layers_bytes_in_bfloat16(synthetic_bfloat16, tmp_path):
     folder, layer_bytes = synthetic_bfloat16
     small_peak, small = loaded(folder, "1-4", "bfloat16", tmp_path)
