@@ -56,16 +56,76 @@ def tiny_config(arch: str):
         # per-layer-type rotary embeddings: 5 sliding layers to 1 full layer, cut down to 4 layers
         return transformers.Gemma3TextConfig(**common, **window, head_dim=16, query_pre_attn_scalar=16,
                                              layer_types=["sliding_attention", "full_attention"] * 2)
+    if arch in ("qwen3_5", "qwen3_5_moe"):
+        # the released Qwen3.5/3.6 layout: a ...ForConditionalGeneration checkpoint with a text_config and a
+        # vision tower; the text model is linear, linear, linear, full attention (the 3:1 of the real ones),
+        # with multimodal RoPE on a quarter of each head; the MoE one has 4 experts, top-2, and a shared expert
+        text = dict(common, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_num_key_heads=2, linear_num_value_heads=4,
+                    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                                         mrope_section=[1, 1, 0], mrope_interleaved=True))
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                      out_hidden_size=64, num_position_embeddings=16)
+        if arch == "qwen3_5":
+            return transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+        return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+    if arch == "gpt_oss":
+        # alternating sliding / full attention with learned attention sinks, 4 experts top-2 on every layer,
+        # YaRN RoPE as released
+        return transformers.GptOssConfig(**dict(common, max_position_embeddings=131072), **window, head_dim=16,
+                                         num_local_experts=4, num_experts_per_tok=2,
+                                         layer_types=["sliding_attention", "full_attention"] * 2)
+    if arch == "deepseek_v3":
+        # multi-head latent attention (low-rank q and compressed kv, interleaved RoPE on part of each head),
+        # YaRN RoPE as released; dense MLP on layer 0, then 8 routed experts in 4 groups (top-2 of the best 2
+        # groups) plus a shared expert
+        yarn = dict(rope_type="yarn", rope_theta=10_000.0, factor=40.0, original_max_position_embeddings=4096,
+                    beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+        return transformers.DeepseekV3Config(
+            **dict(common, num_key_value_heads=4, max_position_embeddings=163840), rope_parameters=yarn,
+            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+            n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, n_shared_experts=1,
+            moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5)
+    if arch == "gemma4_text":
+        # sliding, full, sliding, full with a wider head on the full layers, proportional RoPE on a quarter of
+        # it, keys reused as values there (attention_k_eq_v), and the MoE block beside the MLP (26B-A4B-style);
+        # no per-layer input embeddings and no KV sharing (only the small E2B/E4B models have those)
+        return transformers.Gemma4TextConfig(
+            **common, **window, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+            attention_k_eq_v=True, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+            enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+            final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"] * 2)
+    if arch in ("gemma3", "gemma4"):
+        # the released multimodal layout around the text configs above: Gemma 3 saves its text model under
+        # "language_model.model.", Gemma 4 under "model.language_model.", and neither declares a renaming for a
+        # causal LM of its own; the top level ties the LM head to the embeddings, the text config does not
+        text = tiny_config(f"{arch}_text").to_dict()
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+        if arch == "gemma3":
+            return transformers.Gemma3Config(text_config=text, mm_tokens_per_image=4,
+                                             vision_config=dict(vision, image_size=32, patch_size=8))
+        return transformers.Gemma4Config(text_config=text, audio_config=None,
+                                         vision_config=dict(vision, num_key_value_heads=2, head_dim=16))
+    if arch == "glm4_moe":
+        # partial RoPE (half of each head), q/k norms, dense MLP on layer 0, then 8 routed experts top-2 with a
+        # shared expert and sigmoid routing with a score-correction bias
+        return transformers.Glm4MoeConfig(
+            **common, head_dim=16, use_qk_norm=True, attention_bias=True, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5)
     raise KeyError(f"no tiny config for {arch!r}")
 
 
 def build_tiny_model(arch: str, dest: Path, tokenizer_from: Path, seed: int = 0) -> Path:
     """Save a random-weight ``arch`` model with the given tokenizer into ``dest``."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+    config = tiny_config(arch)
+    # a config with a vision tower is saved whole, as released checkpoints are: text layers beside the tower
+    model_class = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    model = model_class.from_config(config).eval()
     model.save_pretrained(dest)
     for name in TOKENIZER_FILES:
         if (tokenizer_from / name).exists():

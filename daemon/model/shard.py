@@ -38,8 +38,28 @@ _MASK_BUILDERS = {
     "conv": "create_recurrent_attention_mask",
 }
 
-_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_NORM_KEY = re.compile(r"(?:^|\.)norm\.(?:weight|bias)$")
+# Config settings under which a layer needs more than the hidden states that travel between nodes
+_UNSHARDABLE_FEATURES = {
+    # Gemma 3n, Gemma 4 E2B / E4B
+    "hidden_size_per_layer_input": "its layers take per-layer embeddings of the token ids",
+    "num_kv_shared_layers": "its last layers reuse keys and values computed by earlier layers",
+}
+
+# Checkpoint keys of the text model, plain ("model.layers.3.") or beside a vision tower
+# ("model.language_model.layers.3.", or "language_model.model.layers.3." as Gemma 3 saves it); a tower's
+# own blocks and norms and a multi-token-prediction head ("mtp.layers.0.") are never read
+_TEXT_MODEL = r"^(?:model\.)?(?:language_model\.)?(?:model\.)?"
+_LAYER_KEY = re.compile(_TEXT_MODEL + r"layers\.(\d+)\.")
+_EMBED_KEY = re.compile(_TEXT_MODEL + r"embed_tokens\.")
+_NORM_KEY = re.compile(_TEXT_MODEL + r"norm\.(?:weight|bias)$")
+_LM_HEAD_KEY = re.compile(r"^(?:language_model\.)?lm_head\.")
+# the text model of a multimodal checkpoint loads as a causal LM's own model (Qwen 3.5 declares this renaming
+# itself, Gemma 3 and 4 do not)
+_TEXT_MODEL_RENAMING = {
+    r"^model\.language_model\.": "model.",
+    r"^language_model\.model\.": "model.",
+    r"^language_model\.lm_head\.": "lm_head.",
+}
 
 
 @dataclass(frozen=True)
@@ -103,8 +123,11 @@ class ModelShard:
         from transformers import AutoConfig
 
         self.folder = Path(folder)
-        self.config = AutoConfig.from_pretrained(self.folder)
-        self.info = read_model_info(self.folder, self.config)
+        config = AutoConfig.from_pretrained(self.folder)
+        self.info = read_model_info(self.folder, config)
+        # a multimodal checkpoint (a text_config beside a vision tower) runs its text model: every setting the
+        # shard reads (layer types, masks, cache, EOS, soft-capping) is the text model's
+        self.config = config.get_text_config()
         n = self.info.num_layers
         if not (0 <= start < end <= n):
             raise ModelUnavailable(
@@ -120,10 +143,13 @@ class ModelShard:
             raise ModelUnavailable(
                 f"unsupported architecture {self.info.model_type!r}: layer types {unknown} are not supported"
             )
+        self._refuse_unsupported(config)
         self._head_lock = threading.Lock()
         self.model = self._build_skeleton()
         rotary_params = inspect.signature(self.model.model.rotary_emb.forward).parameters
         self._rotary_per_type = "layer_type" in rotary_params
+        layer_params = inspect.signature(type(self.model.model.layers[0]).forward).parameters
+        self._layers_share_kv = "shared_kv_states" in layer_params
         self._load_tensors(self._wanted_parts(head=head))
         self._buffers_to_device()
         self._layers = tuple(self.model.model.layers)  # indexing a tuple, not a ModuleList, in the step loop
@@ -138,6 +164,23 @@ class ModelShard:
 
     # ---- loading ---------------------------------------------------------------------------
 
+    def _refuse_unsupported(self, config) -> None:
+        """Refuse by name what a shard cannot run exactly: quantized weights, layers needing more than hidden states."""
+        model_type = self.info.model_type
+        quantization = getattr(config, "quantization_config", None)
+        if quantization:  # FP8 or MXFP4 blocks read as plain floats would run, silently wrong
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+            raise ModelUnavailable(
+                f"unsupported checkpoint of {model_type!r}: its weights are quantized ({method}); "
+                "a shard loads unquantized weights only (bfloat16, float16 or float32)"
+            )
+        needs = [why for setting, why in _UNSHARDABLE_FEATURES.items() if getattr(self.config, setting, None)]
+        if needs:
+            raise ModelUnavailable(
+                f"unsupported architecture {model_type!r}: {'; '.join(needs)}, but only hidden states travel "
+                "between nodes"
+            )
+
     def _default_layer_type(self) -> str:
         # Mistral-style configs without layer_types use one sliding window on every layer
         return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
@@ -149,9 +192,10 @@ class ModelShard:
         try:
             with init_empty_weights():  # parameters on meta, buffers (rotary inv_freq) real
                 model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
-        except ValueError as exc:
+        except ValueError:  # transformers' message lists every causal LM config class, over several lines
             raise ModelUnavailable(
-                f"unsupported architecture {self.info.model_type!r}: not a causal language model ({exc})"
+                f"unsupported architecture {self.info.model_type!r}: not a causal language model "
+                f"(transformers has no causal LM class for {type(self.config).__name__})"
             ) from None
         base = getattr(model, "model", None)
         missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, a)]
@@ -171,13 +215,13 @@ class ModelShard:
         return parts
 
     def _checkpoint_part(self, key: str) -> str | None:
-        if m := _LAYER_KEY.search(key):
+        if m := _LAYER_KEY.match(key):
             return "layers" if self.start <= int(m.group(1)) < self.end else None
-        if "embed_tokens" in key:
+        if _EMBED_KEY.match(key):
             return "embed"
-        if key.startswith("lm_head."):
+        if _LM_HEAD_KEY.match(key):
             return "lm_head"
-        if _NORM_KEY.search(key):
+        if _NORM_KEY.match(key):
             return "norm"
         return None
 
@@ -199,7 +243,7 @@ class ModelShard:
                     state_dict[key] = handle.get_slice(key)  # materialised only during conversion
         config = LoadStateDictConfig(
             dtype=self.dtype,
-            weight_mapping=get_model_conversion_mapping(self.model, None, None),
+            weight_mapping=get_model_conversion_mapping(self.model, _TEXT_MODEL_RENAMING, None),
             device_map={"": str(self.device)},
         )
         # transformers' own loader: renames and fuses checkpoint tensors (MoE experts, qkv) as from_pretrained does
@@ -209,7 +253,11 @@ class ModelShard:
             raise ModelUnavailable(f"could not load weights from {self.folder}: {problems}")
         del handles, state_dict
         if "lm_head" in parts and self.model.lm_head.weight.device.type == "meta":
-            self.model.lm_head.weight = self.model.model.embed_tokens.weight  # tied embeddings
+            # no LM head in the checkpoint: it is tied to the embeddings, even where a multimodal checkpoint's
+            # text config does not say so (Gemma 4 ties in its top-level config only)
+            if self.model.model.embed_tokens.weight.device.type == "meta":
+                self._load_tensors({"embed"})
+            self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self._check_loaded(parts)
 
     def _buffers_to_device(self) -> None:
@@ -315,6 +363,8 @@ class ModelShard:
         layers = self._layers
         # stateless calls pass no cache arguments at all: layers that reject them still run
         cache_kwargs = {"cache": cache, "use_cache": True} if cache is not None else {}
+        # Gemma 4 layers hand their keys and values to later layers through this dict, fresh for every call
+        shared_kv = {"shared_kv_states": {}} if self._layers_share_kv else {}
         for i in hosted:
             hidden = layers[i](
                 hidden,
@@ -322,6 +372,7 @@ class ModelShard:
                 position_ids=position_ids,
                 position_embeddings=position_embeddings[self.layer_types[i]],
                 **cache_kwargs,
+                **shared_kv,
             )
         return hidden
 
@@ -337,11 +388,11 @@ class ModelShard:
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the last position only: logits ``[vocab]``."""
         last = self.model.model.norm(hidden[:, -1:, :])
-        logits = self.model.lm_head(last)[0, -1].float()
+        logits = self.model.lm_head(last)[0, -1]
         cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap:  # Gemma-family models squash logits in their own forward; sampling must see the same
+        if cap:  # Gemma-family models squash logits in their own forward, in the compute dtype: sampling sees the same
             logits = torch.tanh(logits / cap) * cap
-        return logits
+        return logits.float()
 
     def step(
         self,
