@@ -286,9 +286,10 @@ class LocalMesh:
         if self.model is not None and (Path(self.model) / "config.json").is_file():
             folder = Path(self.model).resolve()
             return str(folder), model_num_layers(folder)
-        if self.model is not None and Path(self.model).is_file() and Path(self.model).suffix.lower() == ".gguf":
-            output = await self._fetch_model(["--model", self.model, "--layer-count"], _LAYER_COUNT)
-            return str(Path(self.model).resolve()), int(_LAYER_COUNT.findall(output)[-1])
+        gguf = Path(self.model).expanduser() if self.model is not None else None
+        if gguf is not None and gguf.is_file() and gguf.suffix.lower() == ".gguf":
+            output = await self._fetch_model(["--model", str(gguf), "--layer-count"], _LAYER_COUNT)
+            return str(gguf.resolve()), int(_LAYER_COUNT.findall(output)[-1])
         output = await self._fetch_model(["--model", self.model] if self.model is not None else [], _READY_IN)
         folder = Path(_READY_IN.findall(output)[-1].strip())
         return str(folder), model_num_layers(folder)
