@@ -39,11 +39,15 @@ def _fetch_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshd fetch-model", description="Make a model ready to load, as "
                                 "`meshd --model` would, and say where it is: fetch and convert the built-in model "
                                 "(SmolLM2-135M-Instruct) into the user cache folder once, convert a .gguf file "
-                                "into it once, or check a model folder.")
+                                "(or a range of its layers) into it once, or check a model folder.")
     p.add_argument("--model", help="a local Hugging Face model folder, a .gguf file, or the built-in "
                    "default SmolLM2-135M-Instruct (used when absent)")
     p.add_argument("--force", action="store_true", help="fetch and convert the built-in model again even if "
                    "cached (not with --model)")
+    p.add_argument("--layers", help="with a .gguf file: convert only these layers (inclusive, e.g. 15-29), as a node "
+                   "hosting them does; every layer when absent")
+    p.add_argument("--layer-count", action="store_true", help="with a .gguf file: only say how many layers it has "
+                   "(read from its header; nothing is converted)")
     return p
 
 
@@ -59,16 +63,31 @@ def _fail(message: str, code: int = 1) -> int:
 def fetch_model(argv: list[str]) -> int:
     """``meshd fetch-model [--model SPEC]``: resolve a model spec into a loadable folder, with progress
     on stderr, ending with a line ``meshd: ... is ready in PATH`` (the console reads PATH from it)."""
+    from daemon.api import parse_layers
     from daemon.errors import ModelUnavailable
-    from daemon.model.source import fetch_default_model, resolve_model
+    from daemon.model.gguf_convert import gguf_layer_count
+    from daemon.model.source import fetch_default_model, gguf_model_file, gguf_range_folder, resolve_model
 
     parser = _fetch_parser()
     args = parser.parse_args(argv)
     if args.force and args.model is not None:
         parser.error("--force fetches the built-in model again; it does not go with --model")
+    gguf = gguf_model_file(args.model)
+    if (args.layers or args.layer_count) and gguf is None:
+        parser.error("--layers and --layer-count go with --model FILE.gguf")
     try:
         if args.model is None:
             path = fetch_default_model(progress=_say, force=args.force)
+        elif args.layers or args.layer_count:
+            num_layers = gguf_layer_count(gguf)
+            if args.layer_count:
+                _say(f"{gguf.name} has {num_layers} layers")
+                return 0
+            try:
+                start, end = parse_layers(args.layers, num_layers=num_layers)
+            except ValueError as exc:
+                parser.error(f"--layers: {exc} ({gguf.name} has {num_layers} layers)")
+            path = gguf_range_folder(gguf, start, end, progress=_say)
         else:
             path = resolve_model(args.model, progress=_say)
     except ModelUnavailable as exc:
@@ -112,20 +131,24 @@ def load_node(argv: list[str]):
 
     from daemon.api import format_layers, parse_layers
     from daemon.errors import ModelUnavailable
+    from daemon.model.gguf_convert import gguf_layer_count
     from daemon.model.shard import read_model_info
-    from daemon.model.source import resolve_model
+    from daemon.model.source import gguf_model_file, gguf_range_folder, resolve_model
     from daemon.node import Node
 
     started = time.perf_counter()
     try:
-        folder = resolve_model(config.model, progress=_say)
-        info = read_model_info(folder)
+        gguf = gguf_model_file(config.model)  # converted by layer range: the range is checked against its header
+        folder = None if gguf else resolve_model(config.model, progress=_say)
+        num_layers = gguf_layer_count(gguf) if gguf else read_model_info(folder).num_layers
         try:
-            start, end = (0, info.num_layers)
+            start, end = (0, num_layers)
             if config.layers:
-                start, end = parse_layers(config.layers, num_layers=info.num_layers)
+                start, end = parse_layers(config.layers, num_layers=num_layers)
         except ValueError as exc:
-            raise Refused(f"--layers: {exc}", 2) from None
+            raise Refused(f"--layers: {exc}" + (f" ({gguf.name} has {num_layers} layers)" if gguf else ""), 2) from None
+        folder = folder or gguf_range_folder(gguf, start, end, progress=_say)
+        info = read_model_info(folder)
         _say(f"loading layers {format_layers(start, end)} of {info.name} ({info.num_layers} layers) "
              f"with {threads} thread(s)")
         node = Node.load(config, folder, start, end, threads)

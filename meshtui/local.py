@@ -10,11 +10,12 @@ SIGTERM even when the console is killed with SIGKILL; :meth:`LocalMesh.stop` (al
 stops the rest. The kernel sends that signal when the *thread* that started the child ends, so call
 ``start`` on an event loop running in the main thread (as ``App.run`` and ``asyncio.run`` do).
 
-Models: a Hugging Face folder is read as it is. Anything else (nothing: the built-in model; its
-name; a ``.gguf`` file) goes to ``meshd fetch-model [--model SPEC]``, which fetches the built-in
-model once per machine or converts a ``.gguf`` once into meshd's cache, and says where the folder
-is; so the layer count comes from a ``config.json`` and every node loads the same converted folder
-instead of converting it again.
+Models: a Hugging Face folder is read as it is. A ``.gguf`` file goes to every node as it is, and each
+converts only its own layers; ``meshd fetch-model --model FILE --layer-count`` reads the layer count
+from its header first. Anything else (nothing: the built-in model; its name) goes to
+``meshd fetch-model [--model SPEC]``, which fetches the built-in model once per machine and says where
+the folder is; so the layer count comes from a ``config.json`` and every node loads the same
+converted folder instead of converting it again.
 
 The mesh token: the children get the console's token (``MESHNET_TOKEN`` or the config's ``token``)
 through their environment, never on their command line, where ``ps`` would show it; the console's
@@ -56,6 +57,7 @@ Progress = Callable[[str, str], None]
 
 READY_TIMEOUT_S = 300.0  # a first start on a slow machine imports torch and loads weights per node
 _READY_IN = re.compile(r"ready in (.+)$", re.MULTILINE)  # meshd fetch-model's last line names the folder
+_LAYER_COUNT = re.compile(r"has (\d+) layers$", re.MULTILINE)  # meshd fetch-model --layer-count's answer
 
 
 class LocalMeshError(RuntimeError):
@@ -200,14 +202,14 @@ class LocalMesh:
                 for peer in self.peers:
                     progress("head", await _introduce(self.head_url, peer, self._headers))
                 return
-            folder = await self._model_folder()
-            ranges = await self._plan_layers(model_num_layers(folder), progress)
+            model, num_layers = await self._model_source()
+            ranges = await self._plan_layers(num_layers, progress)
             for i, (node, layers) in enumerate(zip(self.nodes, ranges)):
                 node.layers = layers
                 node.label = f"node {layers}"
                 others = [u for u in self.urls if u != node.url]
                 remote = [p for p in self.peers if p not in self.urls] if i == 0 else []
-                args = ["--model", str(folder), "--layers", layers, "--host", self.host, "--port", str(node.port),
+                args = ["--model", model, "--layers", layers, "--host", self.host, "--port", str(node.port),
                         "--threads", str(self.threads), *[arg for url in [*others, *remote] for arg in ("--peer", url)]]
                 node.child = self._spawn(node.label, args)
             await self.wait_ready(READY_TIMEOUT_S)
@@ -278,20 +280,30 @@ class LocalMesh:
         except RuntimeError:  # the loop is closed: the console is gone, the log file still has it
             pass
 
-    async def _model_folder(self) -> Path:
-        """The safetensors folder every node loads, fetched or converted by a child when needed."""
+    async def _model_source(self) -> tuple[str, int]:
+        """What every node gets as ``--model`` (a folder, or a .gguf file each converts its range of), and the
+        model's layer count; a child fetches the built-in model, or reads a .gguf's header, when needed."""
         if self.model is not None and (Path(self.model) / "config.json").is_file():
-            return Path(self.model).resolve()
-        child = self._spawn("model", ["fetch-model", *(["--model", self.model] if self.model is not None else [])],
-                            report_exit=False)
+            folder = Path(self.model).resolve()
+            return str(folder), model_num_layers(folder)
+        gguf = Path(self.model).expanduser() if self.model is not None else None
+        if gguf is not None and gguf.is_file() and gguf.suffix.lower() == ".gguf":
+            output = await self._fetch_model(["--model", str(gguf), "--layer-count"], _LAYER_COUNT)
+            return str(gguf.resolve()), int(_LAYER_COUNT.findall(output)[-1])
+        output = await self._fetch_model(["--model", self.model] if self.model is not None else [], _READY_IN)
+        folder = Path(_READY_IN.findall(output)[-1].strip())
+        return str(folder), model_num_layers(folder)
+
+    async def _fetch_model(self, args: list[str], answer: re.Pattern) -> str:
+        """The output of ``meshd fetch-model ARGS``, which must end well and contain ``answer``."""
+        child = self._spawn("model", ["fetch-model", *args], report_exit=False)
         while child.poll() is None:
             await asyncio.sleep(0.1)
         output = child.last_output()
-        found = _READY_IN.findall(output)
-        if child.returncode != 0 or not found:
+        if child.returncode != 0 or not answer.search(output):
             what = "fetching the built-in model" if self.model is None else f"preparing the model {self.model}"
             raise LocalMeshError(f"{what} failed ({describe_returncode(child.returncode)}):\n{output}")
-        return Path(found[-1].strip())
+        return output
 
     async def _plan_layers(self, num_layers: int, progress: Progress) -> list[str]:
         """Inclusive ranges, one per node: as given, split evenly, or (head only) what peers leave."""

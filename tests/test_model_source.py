@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from daemon.errors import ModelUnavailable
-from daemon.model import source
+from daemon.model import gguf_convert, source
 from daemon.model.source import DEFAULT_MODEL, cache_dir, default_gguf_path, fetch_default_model, resolve_model
 
 PROMPT = "What is the capital of France?"
@@ -72,7 +72,7 @@ class FakeConverter:
         self.delay, self.fail, self.calls = delay, fail, 0
         self._lock = threading.Lock()
 
-    def __call__(self, gguf_path: Path, out_dir: Path, progress) -> None:
+    def __call__(self, gguf_path: Path, out_dir: Path, progress, **range_and_dtype) -> None:
         with self._lock:
             self.calls += 1
         (out_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -82,11 +82,14 @@ class FakeConverter:
         (out_dir / "model.safetensors").write_bytes(b"weights")
 
 
-def _write_bogus_gguf(path: Path, architecture: str) -> Path:
+def _write_bogus_gguf(path: Path, architecture: str, block_count: int | None = None) -> Path:
+    """A GGUF file with a header and one tensor: enough to be read, not to be converted."""
     import numpy as np
     from gguf import GGUFWriter
 
     writer = GGUFWriter(path, architecture)
+    if block_count is not None:
+        writer.add_block_count(block_count)
     writer.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -168,8 +171,8 @@ def test_gguf_loaded_model_saves_once_its_quantization_marker_is_dropped(gguf_re
     _, model = gguf_reference
     with pytest.raises(ValueError, match="not serializable"):
         model.save_pretrained(tmp_path / "refused")
-    source._require_plain_float(model, Path("reference.gguf"))
-    source._drop_quantization_marker(model)
+    gguf_convert._require_plain_float(model, Path("reference.gguf"))
+    gguf_convert._drop_quantization_marker(model)
     model.save_pretrained(tmp_path / "saved")
     assert "quantization_config" not in json.loads((tmp_path / "saved" / "config.json").read_text())
 
@@ -196,11 +199,13 @@ def test_user_gguf_is_converted_once_into_the_cache(default_gguf: Path, default_
     import torch
     from safetensors.torch import load_file
 
-    folder = resolve_model(str(default_gguf))  # the persistent cache: converts once per machine
-    assert folder.parent == cache_dir() and folder.name.startswith("gguf-")
-    assert json.loads((folder / source.SOURCE_MARKER).read_text())["origin"]["path"] == str(default_gguf)
+    folder = resolve_model(str(default_gguf))  # the persistent cache: converts once per machine, every layer
+    assert folder.is_relative_to(cache_dir() / "gguf") and folder.parent.name == "layers-0-29-float32"
+    assert folder.name == default_gguf.stem
+    origin = json.loads((folder / source.SOURCE_MARKER).read_text())["origin"]
+    assert (origin["path"], origin["layers"]) == (str(default_gguf), [0, 29])
 
-    monkeypatch.setattr(source, "_convert_gguf_into", FakeConverter(fail=AssertionError("converted twice")))
+    monkeypatch.setattr(source, "_convert_gguf_range_into", FakeConverter(fail=AssertionError("converted twice")))
     started = time.monotonic()
     assert resolve_model(str(default_gguf)) == folder
     assert time.monotonic() - started < 5
@@ -285,7 +290,7 @@ def test_corrupt_gguf_is_refused_and_leaves_nothing(temp_cache: Path, tmp_path: 
         with pytest.raises(ModelUnavailable) as caught:
             resolve_model(str(path))
         assert "not a valid GGUF file" in caught.value.message
-    assert not list(temp_cache.glob("gguf-*")) and not list(temp_cache.glob(".*building*"))
+    assert not temp_cache.exists()
 
 
 def test_unsupported_gguf_architecture_is_named(temp_cache: Path, tmp_path: Path) -> None:
@@ -293,17 +298,16 @@ def test_unsupported_gguf_architecture_is_named(temp_cache: Path, tmp_path: Path
     with pytest.raises(ModelUnavailable) as caught:
         resolve_model(str(gguf_path))
     assert "'meshnet-test-arch'" in caught.value.message
-    assert not list(temp_cache.glob("gguf-*"))
+    assert not temp_cache.exists()
 
 
 # --- conversion safety ----------------------------------------------------------------------
 
 
 def test_concurrent_resolves_convert_once(temp_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gguf_path = tmp_path / "model.gguf"
-    gguf_path.write_bytes(b"GGUF")
+    gguf_path = _write_bogus_gguf(tmp_path / "model.gguf", "llama", block_count=2)
     converter = FakeConverter(delay=0.5)
-    monkeypatch.setattr(source, "_convert_gguf_into", converter)
+    monkeypatch.setattr(source, "_convert_gguf_range_into", converter)
     messages: list[str] = []
 
     with ThreadPoolExecutor(max_workers=3) as pool:
@@ -317,18 +321,17 @@ def test_concurrent_resolves_convert_once(temp_cache: Path, tmp_path: Path, monk
 def test_failed_conversion_leaves_no_folder_and_a_retry_succeeds(
     temp_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gguf_path = tmp_path / "model.gguf"
-    gguf_path.write_bytes(b"GGUF")
-    monkeypatch.setattr(source, "_convert_gguf_into", FakeConverter(fail=OSError(28, "No space left on device")))
+    gguf_path = _write_bogus_gguf(tmp_path / "model.gguf", "llama", block_count=2)
+    monkeypatch.setattr(source, "_convert_gguf_range_into", FakeConverter(fail=OSError(28, "No space left on device")))
     with pytest.raises(ModelUnavailable) as caught:
         resolve_model(str(gguf_path))
     assert "No space left on device" in caught.value.message and "MESHNET_CACHE_DIR" in caught.value.message
-    assert [p.name for p in temp_cache.iterdir() if not p.name.endswith(".lock")] == []
+    assert [p for p in temp_cache.rglob("*") if p.is_file() and not p.name.endswith(".lock")] == []
 
     # A conversion killed mid-way leaves only a hidden building folder; the next run clears it.
-    monkeypatch.setattr(source, "_convert_gguf_into", FakeConverter())
+    monkeypatch.setattr(source, "_convert_gguf_range_into", FakeConverter())
     folder = resolve_model(str(gguf_path))
-    leftover = temp_cache / f".{folder.name}.building-99999"
+    leftover = folder.parent / f".{folder.name}.building-99999"
     leftover.mkdir()
     (leftover / "config.json").write_text("{}")
     source.shutil.rmtree(folder)
@@ -338,10 +341,9 @@ def test_failed_conversion_leaves_no_folder_and_a_retry_succeeds(
 
 def test_a_folder_without_marker_is_not_trusted(temp_cache: Path, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    gguf_path = tmp_path / "model.gguf"
-    gguf_path.write_bytes(b"GGUF")
+    gguf_path = _write_bogus_gguf(tmp_path / "model.gguf", "llama", block_count=2)
     converter = FakeConverter()
-    monkeypatch.setattr(source, "_convert_gguf_into", converter)
+    monkeypatch.setattr(source, "_convert_gguf_range_into", converter)
     folder = resolve_model(str(gguf_path))
     (folder / source.SOURCE_MARKER).unlink()
     assert resolve_model(str(gguf_path)) == folder
@@ -358,7 +360,7 @@ def test_weights_that_are_not_plain_floats_are_refused() -> None:
         torch.zeros(32, 16, dtype=torch.int8), requires_grad=False
     )
     with pytest.raises(ModelUnavailable, match="up_proj.weight"):
-        source._require_plain_float(model, Path("packed.gguf"))
+        gguf_convert._require_plain_float(model, Path("packed.gguf"))
 
 
 # --- fetching the default model -------------------------------------------------------------
@@ -430,8 +432,7 @@ def test_unwritable_cache_says_what_to_do(tmp_path: Path, monkeypatch: pytest.Mo
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("MESHNET_CACHE_DIR", str(blocker / "cache"))
-    gguf_path = tmp_path / "model.gguf"
-    gguf_path.write_bytes(b"GGUF")
+    gguf_path = _write_bogus_gguf(tmp_path / "model.gguf", "llama", block_count=2)
     for spec in (None, str(gguf_path)):
         with pytest.raises(ModelUnavailable, match="MESHNET_CACHE_DIR"):
             resolve_model(spec, progress=lambda _: None)

