@@ -65,6 +65,7 @@ def fetch_model(argv: list[str]) -> int:
     on stderr, ending with a line ``meshd: ... is ready in PATH`` (the console reads PATH from it)."""
     from daemon.api import parse_layers
     from daemon.errors import ModelUnavailable
+    from daemon.model.device import dtype_name, resolve_device, resolve_dtype
     from daemon.model.gguf_convert import gguf_layer_count
     from daemon.model.source import fetch_default_model, gguf_model_file, gguf_range_folder, resolve_model
 
@@ -131,6 +132,7 @@ def load_node(argv: list[str]):
 
     from daemon.api import format_layers, parse_layers
     from daemon.errors import ModelUnavailable
+    from daemon.model.device import dtype_name, resolve_device, resolve_dtype
     from daemon.model.gguf_convert import gguf_layer_count
     from daemon.model.shard import read_model_info
     from daemon.model.source import gguf_model_file, gguf_range_folder, resolve_model
@@ -147,7 +149,9 @@ def load_node(argv: list[str]):
                 start, end = parse_layers(config.layers, num_layers=num_layers)
         except ValueError as exc:
             raise Refused(f"--layers: {exc}" + (f" ({gguf.name} has {num_layers} layers)" if gguf else ""), 2) from None
-        folder = folder or gguf_range_folder(gguf, start, end, progress=_say)
+        if gguf:  # dequantized straight into the compute dtype: the cache holds what the node will hold
+            dtype = dtype_name(resolve_dtype(config.dtype, resolve_device(config.device)))
+            folder = gguf_range_folder(gguf, start, end, dtype=dtype, progress=_say)
         info = read_model_info(folder)
         _say(f"loading layers {format_layers(start, end)} of {info.name} ({info.num_layers} layers) "
              f"with {threads} thread(s)")
