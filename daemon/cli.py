@@ -65,7 +65,6 @@ def fetch_model(argv: list[str]) -> int:
     on stderr, ending with a line ``meshd: ... is ready in PATH`` (the console reads PATH from it)."""
     from daemon.api import parse_layers
     from daemon.errors import ModelUnavailable
-    from daemon.model.device import dtype_name, resolve_device, resolve_dtype
     from daemon.model.gguf_convert import gguf_layer_count
     from daemon.model.source import fetch_default_model, gguf_model_file, gguf_range_folder, resolve_model
 
@@ -132,6 +131,7 @@ def load_node(argv: list[str]):
 
     from daemon.api import format_layers, parse_layers
     from daemon.errors import ModelUnavailable
+    from daemon.model.device import dtype_name, resolve_device, resolve_dtype
     from daemon.model.device import dtype_name, resolve_device, resolve_dtype
     from daemon.model.gguf_convert import gguf_layer_count
     from daemon.model.shard import read_model_info
