@@ -132,7 +132,6 @@ def load_node(argv: list[str]):
     from daemon.api import format_layers, parse_layers
     from daemon.errors import ModelUnavailable
     from daemon.model.device import dtype_name, resolve_device, resolve_dtype
-    from daemon.model.device import dtype_name, resolve_device, resolve_dtype
     from daemon.model.gguf_convert import gguf_layer_count
     from daemon.model.shard import read_model_info
     from daemon.model.source import gguf_model_file, gguf_range_folder, resolve_model
