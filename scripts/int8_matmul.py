@@ -98,24 +98,29 @@ def meshnet_path(method: str) -> Callable:
     return build
 
 
-def time_calls(run: Callable, x: torch.Tensor, *, repeats: int, calls: int) -> float:
-    """Median milliseconds of one call over ``repeats`` rounds of ``calls`` calls (after a warm-up)."""
-    for _ in range(max(10, calls // 10)):
+def time_calls(run: Callable, x: torch.Tensor, *, repeats: int, calls: int, round_seconds: float) -> float:
+    """Median milliseconds of one call over ``repeats`` rounds of up to ``calls`` calls (at least 3, and
+    no more than ``round_seconds`` of calls: slow paths would otherwise take minutes), after a warm-up."""
+    for _ in range(3):
         run(x)
     per_call = []
     for _ in range(repeats):
-        for _ in range(calls):
+        round_began = time.perf_counter()
+        for done in range(calls):
             began = time.perf_counter()
             run(x)
             per_call.append(time.perf_counter() - began)
+            if done >= 2 and time.perf_counter() - round_began > round_seconds:
+                break
     return statistics.median(per_call) * 1e3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a meshd node runs one by default)")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds per row")
-    parser.add_argument("--calls", type=int, default=40, help="timed calls per round")
+    parser.add_argument("--repeats", type=int, default=7, help="rounds per row")
+    parser.add_argument("--calls", type=int, default=50, help="timed calls per round, at most")
+    parser.add_argument("--round-seconds", type=float, default=0.3, help="time per round, at most (3 calls at least)")
     args = parser.parse_args()
 
     # torchao logs, at import, that its CUDA-only extensions do not load on a CPU build of torch
@@ -128,8 +133,8 @@ def main() -> None:
     paths |= {name: torchao_path(config) for name, config in torchao_configs().items()}
     paths["aten._weight_int8pack_mm"] = aten_int8pack_path
     paths["meshnet quantize_layers int8"] = meshnet_path("int8")
-    print(f"torch {torch.__version__}, torchao {torchao.__version__}, {args.threads} thread(s), "
-          f"{os.cpu_count()} CPUs, median of {args.repeats} x {args.calls} calls")
+    print(f"torch {torch.__version__}, torchao {torchao.__version__}, {args.threads} thread(s), {os.cpu_count()} CPUs, "
+          f"median of {args.repeats} rounds of up to {args.calls} calls or {args.round_seconds} s")
     print(f"{'path':34} {'compute':9} {'shape':>11} {'ms/call':>9} {'vs f32':>7}   load 1/5/15 min")
     with torch.inference_mode():
         for in_features, out_features in SHAPES:
@@ -143,7 +148,7 @@ def main() -> None:
                     except Exception as exc:  # noqa: BLE001 - a path this host cannot run is a row too
                         print(f"{name:34} {dtype_name:9} {'':>11} fails: {type(exc).__name__}: {str(exc)[:60]}")
                         continue
-                    ms = time_calls(run, x, repeats=args.repeats, calls=args.calls)
+                    ms = time_calls(run, x, repeats=args.repeats, calls=args.calls, round_seconds=args.round_seconds)
                     baseline = ms if (name, dtype) == ("nn.Linear", torch.float32) else baseline
                     load = "/".join(f"{v:.1f}" for v in os.getloadavg())
                     shape = f"{in_features}>{out_features}"

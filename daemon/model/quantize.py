@@ -9,11 +9,14 @@ head), with one symmetric scale per output row, computed by torchao. Two methods
 - ``int8-torchao``: torchao's ``Int8WeightOnlyConfig`` unchanged: its linear turns the whole int8
   weight back into the shard's dtype on every call, then multiplies. Any device, no bfloat16 rounding.
 
-Why two (scripts/int8_matmul.py, one thread, batch 1, one token, on a shared 2-core x86 host):
-torchao's path ran 2.3-9x slower than a float32 ``nn.Linear`` at the built-in model's shapes and
-2048x8192, in float32 and bfloat16 alike; torchao 0.18 has no other int8 weight-only path for CPU
-(per-tensor is as slow, per-group and ``IntxWeightOnlyConfig`` slower still). PyTorch's kernel ran
-1.4-10x faster than float32 in bfloat16, and 2.5-11x slower in float32, hence bfloat16 inside it.
+Why two (scripts/int8_matmul.py, three runs, one thread, batch 1, one token, on a shared 2-core x86
+host at load 3-6, so ranges are wide): torchao's per-row path ran 2.5-15x slower than a float32
+``nn.Linear`` at the built-in model's shapes and at 2048x8192, in float32 and bfloat16 alike, and
+torchao 0.18 has no other int8 weight-only path for CPU (per-tensor is as slow, per-group and
+``IntxWeightOnlyConfig`` slower still; version 1 of the config is gone). PyTorch's kernel took
+0.1-1.1x float32's time in bfloat16 and 1.1-19x in float32, hence bfloat16 inside it. ``int8`` as a
+whole (module call and casts included) took 0.1-1.2x float32's time, but 1.2-1.7x at 576x576, where
+the call's overhead outweighs the 1 MB less it reads.
 Float16 compute is not supported: it was not measured, and CPUs rarely run it well.
 """
 
