@@ -133,6 +133,10 @@ class NodeConfig:
         "auto", flag="--device", check=_device,
         help="where weights, caches and compute live: auto, cpu, cuda, cuda:N or mps (default auto: a GPU "
         "if torch sees one, else the CPU)")
+    quantize: str | None = setting(
+        None, flag="--quantize", choices=("int8", "int8-torchao"),
+        help="weight-only int8 for this node's decoder layers: a quarter of float32's bytes (int8: PyTorch's "
+        "int8 kernel in bfloat16, fast on CPU; int8-torchao: torchao's own, any device, slow on CPU)")
     wire_dtype: str | None = setting(  # None: the compute dtype, which loses nothing
         None, flag="--wire-dtype", choices=("float32", "float16", "bfloat16"),
         help="dtype of activations this node sends as head (default: its compute dtype, exact)")

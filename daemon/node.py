@@ -67,7 +67,7 @@ class Node:
         metrics = Metrics(store.stats)
         service = ShardService.load(folder, start, end, store=store, kv_cache=config.kv_cache, threads=threads,
                                     share_cores=config.threads is None, dtype=config.dtype, device=config.device,
-                                    on_step=metrics.step_done)
+                                    quantize=config.quantize, on_step=metrics.step_done)
         return cls(config, service, metrics)
 
     @contextlib.asynccontextmanager
@@ -122,7 +122,8 @@ class Node:
             weights_bytes=service.shard.loaded_bytes(), store=service.store.stats(), peers=self.peers.summaries(),
             time=time.time(), started_at=self.started_at, steps_served=service.steps_served,
             tokens_served=service.tokens_served, generations=head.generations, tokens_generated=head.tokens_generated,
-            dtype=service.dtype, device=str(service.shard.device), memory=service.memory(),
+            dtype=service.dtype, device=str(service.shard.device), quantize=self.config.quantize,
+            memory=service.memory(),
         )
 
     def sessions(self) -> SessionList:

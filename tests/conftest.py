@@ -30,11 +30,15 @@ def reference_models(default_model):
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     models: dict = {}
 
-    def load(dtype: str = "float32"):
-        if dtype not in models:
+    def load(dtype: str = "float32", quantize: str | None = None):
+        if (dtype, quantize) not in models:
             model = AutoModelForCausalLM.from_pretrained(default_model, dtype=getattr(torch, dtype)).eval()
-            models[dtype] = (model, tokenizer)
-        return models[dtype]
+            if quantize:  # the same weight-only quantization a node applies, on every decoder layer
+                from daemon.model.quantize import quantize_layers
+
+                quantize_layers(list(model.model.layers), quantize)
+            models[dtype, quantize] = (model, tokenizer)
+        return models[dtype, quantize]
 
     return load
 
@@ -47,17 +51,17 @@ def reference_model(reference_models):
 
 @pytest.fixture(scope="session")
 def reference_tokens_in(reference_models):
-    """``reference_tokens_in(dtype)(messages, n, ignore_eos)`` -> greedy token ids from ``model.generate``
-    run in ``dtype``."""
+    """``reference_tokens_in(dtype, quantize=None)(messages, n, ignore_eos)`` -> greedy token ids from
+    ``model.generate`` run in ``dtype`` (with its decoder layers quantized)."""
     import torch
 
     memo: dict = {}
 
-    def in_dtype(dtype: str):
-        model, tokenizer = reference_models(dtype)
+    def in_dtype(dtype: str, quantize: str | None = None):
+        model, tokenizer = reference_models(dtype, quantize)
 
         def generate(messages: list[dict], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
-            key = (dtype, repr(messages), max_new_tokens, ignore_eos)
+            key = (dtype, quantize, repr(messages), max_new_tokens, ignore_eos)
             if key not in memo:
                 ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
                 ids = ids["input_ids"] if hasattr(ids, "keys") else ids

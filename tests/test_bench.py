@@ -60,18 +60,18 @@ def test_a_short_run_measures_one_mesh_against_generate(tiny_model, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "daemon.cli", "bench", "--model", str(tiny_model("llama")), "--tokens", "4",
          "--setups", "generate", "cached", "--reference-threads", "1", "--sessions", "0",
-         "--precisions", "float32", "bfloat16", "--json", str(out)],
+         "--precisions", "float32", "bfloat16", "int8", "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {(r["setup"], r["precision"]): r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {(setup, precision) for setup in ("generate, 1 process, 1 thread", "mesh, 2 nodes, cached")
-                         for precision in ("float32", "bfloat16")}
-    for precision, size in (("float32", 4), ("bfloat16", 2)):
+                         for precision in ("float32", "bfloat16", "int8")}
+    for precision, size in (("float32", 4), ("bfloat16", 2), ("int8", 2)):  # int8 weights compute in bfloat16
         mesh, reference = rows["mesh, 2 nodes, cached", precision], rows["generate, 1 process, 1 thread", precision]
         assert mesh["tokens_match"] is True and mesh["token_ids"] == reference["token_ids"]  # generate in its dtype
         assert mesh["decode_tps"] > 0 and mesh["payload_bytes_per_hop_step"] == 64 * size  # the tiny hidden size
-        assert [n["dtype"] for n in mesh["nodes"]] == [precision] * 2
+        assert [n["dtype"] for n in mesh["nodes"]] == [{"int8": "bfloat16"}.get(precision, precision)] * 2
         assert all(n["peak_rss_bytes"] > n["weights_bytes"] > 0 for n in mesh["nodes"])
         assert 0 <= mesh["load"] < 1000
     assert "loopback floor" in proc.stdout

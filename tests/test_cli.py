@@ -89,6 +89,7 @@ OPTION_CASES = [
     (["--kv-max-bytes", "4096"], "kv_max_bytes", 4096),
     (["--dtype", "bfloat16"], "dtype", "bfloat16"),
     (["--device", "cuda:0"], "device", "cuda:0"),
+    (["--quantize", "int8"], "quantize", "int8"),
     (["--wire-dtype", "float16"], "wire_dtype", "float16"),
     (["--log-level", "warning"], "log_level", "warning"),
     (["--log-level", "DEBUG"], "log_level", "debug"),

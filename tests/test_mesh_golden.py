@@ -205,3 +205,25 @@ def test_bfloat16_nodes_hold_half_the_bytes_and_say_so(two_bfloat16_nodes, refer
     for status in statuses:
         memory = status["memory"]
         assert memory["peak_rss_bytes"] >= memory["rss_bytes"] > sum(status["weights_bytes"].values())
+
+
+@pytest.mark.slow
+def test_two_node_int8_mesh_matches_the_whole_int8_model(default_model, reference_tokens_in, reference_model,
+                                                         tmp_path):
+    """Each node quantizes its own layers after loading: together they emit what one process gives with the
+    same quantization applied to the whole model, and hold a quarter of their layers' float32 bytes."""
+    mesh = start_mesh(default_model, [("0-14", ["--quantize", "int8"]), ("15-29", ["--quantize", "int8"])],
+                      log_dir=tmp_path, dtype="bfloat16")
+    try:
+        body = chat(mesh[0], PROMPTS[1], max_tokens=48)
+        assert body["meshnet"]["token_ids"] == reference_tokens_in("bfloat16", "int8")(PROMPTS[1], 48,
+                                                                                        ignore_eos=True)
+        model, _ = reference_model
+        float32_layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+        statuses = [d.get("/v1/status") for d in mesh]
+        assert [s["quantize"] for s in statuses] == ["int8", "int8"]
+        layer_bytes = sum(s["weights_bytes"]["layers"] for s in statuses)
+        assert 0.25 <= layer_bytes / float32_layer_bytes < 0.26  # int8 values, a bfloat16 scale per row, norms
+    finally:
+        for d in mesh:
+            d.stop()

@@ -339,18 +339,14 @@ def test_builtin_model_in_bfloat16_matches_a_real_shard(default_model):
 def test_int8_counts_the_linear_weights_of_the_loaded_layers(tiny_model, arch):
     import torch
 
+    from daemon.model.quantize import parameter_bytes
     from daemon.model.shard import ModelShard
 
     folder = tiny_model(arch)
-    shard = ModelShard(folder, 0, 4, head=False)
-    expected = []
-    for layer in shard.model.model.layers:
-        linear = [m.weight for m in layer.modules() if isinstance(m, torch.nn.Linear)]
-        linear_ids = {id(w) for w in linear}
-        rest = sum(p.numel() for p in layer.parameters() if id(p) not in linear_ids)
-        # int8 values, a float32 scale per output channel, everything else in bfloat16
-        expected.append(sum(w.numel() + 4 * w.shape[0] for w in linear) + 2 * rest)
-    assert read_footprint(str(folder)).layer_bytes(Precision("bfloat16", "int8")) == expected
+    for method in ("int8", "int8-torchao"):  # against the bytes real quantized shards hold, layer by layer
+        shard = ModelShard(folder, 0, 4, head=False, dtype=torch.bfloat16, quantize=method)
+        assert read_footprint(str(folder)).layer_bytes(Precision("bfloat16", method)) == [
+            parameter_bytes([layer], set()) for layer in shard.model.model.layers]
 
 
 # ---- the report ---------------------------------------------------------------------------------------

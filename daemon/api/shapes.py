@@ -185,6 +185,7 @@ class NodeStatus:
     draining: bool = False  # shutting down: finishing its generations, taking no new work
     dtype: str = ""  # the compute dtype of its weights, caches and activations
     device: str = ""  # where they live: cpu, cuda:0, mps
+    quantize: str | None = None  # the decoder layers' weights: int8, or as the dtype says
     memory: MemoryInfo = field(default_factory=MemoryInfo)
 
     @property

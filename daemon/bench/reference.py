@@ -14,11 +14,16 @@ PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse kee
 class Reference:
     """The whole model in this process, generating with ``model.generate``: the limit of the mesh."""
 
-    def __init__(self, folder: Path, dtype: str = "float32", device: str = "cpu") -> None:
+    def __init__(self, folder: Path, dtype: str = "float32", quantize: str | None = None, *,
+                 device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+        if quantize:  # as every node quantizes its own layers
+            from daemon.model.quantize import quantize_layers
+
+            quantize_layers(list(self.model.model.layers), quantize)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt")
         self.ids = (ids["input_ids"] if hasattr(ids, "keys") else ids).to(device)

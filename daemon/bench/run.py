@@ -28,7 +28,9 @@ from daemon.bench.reference import Reference
 from daemon.bench.report import check_targets, machine, print_table, window_tps
 
 SETUPS = ("generate", "cached", "stateless", "three")
-PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8")
+# a precision's compute dtype and quantization: int8 weights run in bfloat16 (daemon.model.quantize)
+QUANTIZED = {"int8": ("bfloat16", "int8")}
 
 
 def fastest(times: int, run, *args) -> dict:
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                         "three (3 nodes, cached)")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["auto"],
                         help="compute dtypes to measure, each against generate in the same dtype (default auto: "
-                        "what meshd runs in on this machine)")
+                        "what meshd runs in on this machine); int8: int8 weights in bfloat16, against generate "
+                        "with the same quantization")
     parser.add_argument("--device", default="cpu", help="where every node and the reference compute: cpu, cuda, "
                         "cuda:N or mps (default cpu)")
     parser.add_argument("--threads", type=int, help="torch threads per daemon (default: meshd's own, which shares "
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         "three": ("mesh, 3 nodes, cached", [(layers, []) for layers in _thirds(n)]),
     }
     device = resolve_device(args.device)
-    precisions = list(dict.fromkeys(dtype_name(resolve_dtype(p, device)) for p in args.precisions))
+    precisions = list(dict.fromkeys(p if p in QUANTIZED else dtype_name(resolve_dtype(p, device))
+                                    for p in args.precisions))
     say(f"{info.name}, {n} layers, hidden size {info.hidden_size}; {cores} cores; tokens {args.tokens}; "
         f"in {', '.join(precisions)} on {device}")
     rows: list[dict] = []
@@ -134,7 +138,7 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
     ref_threads = sorted(set(args.reference_threads or [1, host_cores()]))
     if "generate" in args.setups:
         say(f"loading the model for single-process generate in {precision}")
-        ref_model = Reference(folder, precision, args.device)
+        ref_model = Reference(folder, *QUANTIZED.get(precision, (precision, None)), device=args.device)
 
     def add(setup: str, tokens: int, result: dict) -> None:
         ref = reference.get(tokens)
@@ -179,7 +183,9 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
             continue
         name, specs = meshes[key]
         say(f"starting {name} in {precision}")
-        mesh = Mesh(name, specs, args.model, args.threads, node_args=["--dtype", precision, "--device", args.device])
+        dtype, quantize = QUANTIZED.get(precision, (precision, None))
+        node_args = ["--dtype", dtype, "--device", args.device] + (["--quantize", quantize] if quantize else [])
+        mesh = Mesh(name, specs, args.model, args.threads, node_args=node_args)
         try:
             mesh.generate(4)  # warm-up: connections, route measurements, lazy loads
             for tokens in args.tokens:

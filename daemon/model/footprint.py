@@ -21,10 +21,10 @@ from daemon.errors import ModelUnavailable
 from daemon.model.checkpoint import check_checkpoint, gguf_values, safetensors_values
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-QUANTIZATIONS = ("int8",)
-# torchao 0.18's Int8WeightOnlyConfig: int8 values plus one float32 scale per output channel
-# (shape [out, 1]) for float32, bfloat16 and float16 weights alike; no zero point (symmetric)
-INT8_SCALE_BYTES = 4
+# bytes per output channel besides the int8 values (daemon.model.quantize): the int8 method keeps a
+# bfloat16 scale per row for its kernel; torchao's own layout a float32 scale and an int8 zero point
+INT8_ROW_BYTES = {"int8": 2, "int8-torchao": 5}
+QUANTIZATIONS = tuple(INT8_ROW_BYTES)
 # the gated delta rule keeps its recurrent state in float32 whatever the model's dtype (Qwen3-Next, Qwen3.5)
 RECURRENT_STATE_BYTES = 4
 WINDOW_TENSOR_BYTES = 8  # DynamicSlidingWindowLayer keeps its window size as an int64 tensor
@@ -69,8 +69,8 @@ class PartValues:
     def nbytes(self, precision: Precision, *, quantizable: bool = False) -> int:
         """Bytes held in ``precision``; ``quantizable``: this part is a decoder layer (int8 applies)."""
         size = precision.value_bytes
-        if quantizable and precision.quantize == "int8":
-            linear = self.linear + self.linear_rows * INT8_SCALE_BYTES
+        if quantizable and precision.quantize is not None:
+            linear = self.linear + self.linear_rows * INT8_ROW_BYTES[precision.quantize]
         else:
             linear = self.linear * size
         return self.plain * size + linear + self.fixed_bytes

@@ -23,6 +23,7 @@ from daemon.errors import BadRequest
 from daemon.kvstore import SessionCacheStore
 from daemon.model.cores import CoreShare
 from daemon.model.device import dtype_name, resolve_device, resolve_dtype
+from daemon.model.quantize import check_quantization
 from daemon.model.shard import ModelShard, StepResult
 from daemon.model.tensors import as_sent, to_activation, to_tensor
 from daemon.model.tokenizer import ChatTokenizer
@@ -61,14 +62,18 @@ class ShardService:
 
     @classmethod
     def load(cls, folder: Path, start: int, end: int, *, store: SessionCacheStore, kv_cache: bool, threads: int,
-             share_cores: bool, dtype: str = "float32", device: str = "cpu",
+             share_cores: bool, dtype: str = "float32", device: str = "cpu", quantize: str | None = None,
              on_step: StepObserver | None = None) -> ShardService:
         """Load layers ``[start, end)`` of the model in ``folder`` (blocking), in ``dtype`` on ``device``
-        (``--dtype`` and ``--device`` values: ``auto`` resolves against this machine)."""
+        (``--dtype`` and ``--device`` values: ``auto`` resolves against this machine), its layers' weights
+        quantized with ``quantize`` if given (checked before any weight is read)."""
         torch.set_num_threads(threads)
         where = resolve_device(device)
+        compute = resolve_dtype(dtype, where)
+        if quantize:
+            check_quantization(quantize, compute, where)
         shard = ModelShard(folder, start, end, head=start == 0, kv_cache=kv_cache, sessions=store,
-                           dtype=resolve_dtype(dtype, where), device=where)
+                           dtype=compute, device=where, quantize=quantize)
         return cls(shard, store, threads=threads, share_cores=share_cores, kv_cache=kv_cache, on_step=on_step)
 
     @property

@@ -23,6 +23,7 @@ import torch
 from daemon.api import Sampling
 from daemon.errors import BadRequest, CacheMiss, ModelUnavailable
 from daemon.kvstore import SessionCacheStore
+from daemon.model.quantize import parameter_bytes, quantize_layers
 from daemon.model.sampling import sample_token
 from daemon.model.tokenizer import ChatTokenizer
 
@@ -105,6 +106,7 @@ def read_model_info(folder: Path, config=None) -> ModelInfo:
 class ModelShard:
     """Decoder layers ``[start, end)`` of the model in ``folder``, plus what its roles need.
 
+    ``quantize`` names a weight-only method of :mod:`daemon.model.quantize` for its own layers (``"int8"``).
     Thread-compatible, not thread-safe: the daemon runs every step on one worker thread.
     """
 
@@ -119,6 +121,7 @@ class ModelShard:
         sessions: SessionCacheStore | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        quantize: str | None = None,
     ) -> None:
         from transformers import AutoConfig
 
@@ -152,6 +155,8 @@ class ModelShard:
         self._layers_share_kv = "shared_kv_states" in layer_params
         self._load_tensors(self._wanted_parts(head=head))
         self._buffers_to_device()
+        if quantize:  # the node's own layers only: embeddings and LM head stay as loaded
+            quantize_layers([self.model.model.layers[i] for i in range(start, end)], quantize)
         self._layers = tuple(self.model.model.layers)  # indexing a tuple, not a ModuleList, in the step loop
         # the head turns chats into ids, the tail names its token
         self.tokenizer = ChatTokenizer.load(self.folder, self.config) if (head or self.is_tail) else None
@@ -308,13 +313,7 @@ class ModelShard:
             "embeddings": [self.model.model.embed_tokens],
         }
         for name, modules in groups.items():
-            total = 0
-            for module in modules:
-                for p in module.parameters():
-                    if p.device.type != "meta" and p.data_ptr() not in seen:
-                        seen.add(p.data_ptr())
-                        total += p.numel() * p.element_size()
-            totals[name] = total
+            totals[name] = parameter_bytes(modules, seen)  # quantized weights: their int8 data and scales
         return totals
 
     # ---- running ---------------------------------------------------------------------------

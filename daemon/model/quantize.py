@@ -1,0 +1,136 @@
+"""Weight-only int8 for a node's own decoder layers: a quarter of float32's bytes, half of bfloat16's.
+
+Only the ``nn.Linear`` modules inside the decoder layers are quantized (never embeddings or the LM
+head), with one symmetric scale per output row, computed by torchao. Two methods:
+
+- ``int8``: matmuls run in PyTorch's own int8-weight kernel (``aten._weight_int8pack_mm``) in
+  bfloat16, whatever the shard's compute dtype (float32 or bfloat16): a layer's inputs are rounded
+  to bfloat16 for the kernel and its outputs cast back. Only on devices the kernel exists for (CPU).
+- ``int8-torchao``: torchao's ``Int8WeightOnlyConfig`` unchanged: its linear turns the whole int8
+  weight back into the shard's dtype on every call, then multiplies. Any device, no bfloat16 rounding.
+
+Why two (scripts/int8_matmul.py, three runs, one thread, batch 1, one token, on a shared 2-core x86
+host at load 3-6, so ranges are wide): torchao's per-row path ran 2.5-15x slower than a float32
+``nn.Linear`` at the built-in model's shapes and at 2048x8192, in float32 and bfloat16 alike, and
+torchao 0.18 has no other int8 weight-only path for CPU (per-tensor is as slow, per-group and
+``IntxWeightOnlyConfig`` slower still; version 1 of the config is gone). PyTorch's kernel took
+0.1-1.1x float32's time in bfloat16 and 1.1-19x in float32, hence bfloat16 inside it. ``int8`` as a
+whole (module call and casts included) took 0.1-1.2x float32's time, but 1.2-1.7x at 576x576, where
+the call's overhead outweighs the 1 MB less it reads.
+Float16 compute is not supported: it was not measured, and CPUs rarely run it well.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from daemon.errors import ModelUnavailable
+
+METHODS = ("int8", "int8-torchao")
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_DTYPE = torch.bfloat16  # the int8 method's matmul dtype: fast on CPU where float32 is not
+_KERNEL = "aten::_weight_int8pack_mm"
+
+
+def check_quantization(method: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise :class:`ModelUnavailable` (one line) unless ``method`` runs with ``dtype`` compute on ``device``."""
+    if method not in METHODS:
+        raise ModelUnavailable(f"unknown quantization {method!r}: choose one of {', '.join(METHODS)}")
+    if dtype not in COMPUTE_DTYPES:
+        names = " or ".join(str(d).removeprefix("torch.") for d in COMPUTE_DTYPES)
+        raise ModelUnavailable(f"{method} weights run with {names} compute, not {str(dtype).removeprefix('torch.')}")
+    if method == "int8":
+        key = torch._C._dispatch_key_for_device(device.type)
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(_KERNEL, key):
+            raise ModelUnavailable(
+                f"int8 weights: torch {torch.__version__} has no int8-weight kernel for {device.type}; "
+                f"use int8-torchao there"
+            )
+
+
+def quantize_layers(layers: list[nn.Module], method: str) -> None:
+    """Quantize, in place, the weights of every ``nn.Linear`` inside ``layers`` with ``method``."""
+    linears = [(layer, name) for layer in layers for name, m in layer.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ModelUnavailable(f"{method} weights: these layers have no nn.Linear to quantize")
+    weight = linears[0][0].get_submodule(linears[0][1]).weight
+    check_quantization(method, weight.dtype, weight.device)
+    _import_torchao()
+    if method == "int8-torchao":
+        from torchao.quantization import Int8WeightOnlyConfig, PerRow, quantize_
+
+        # no inductor settings: nothing here is compiled, and they are process-wide
+        config = Int8WeightOnlyConfig(granularity=PerRow(), set_inductor_config=False)
+        for layer in layers:
+            quantize_(layer, config)
+        return
+    for layer, name in linears:
+        parent_name, _, attribute = name.rpartition(".")
+        parent = layer.get_submodule(parent_name)
+        setattr(parent, attribute, Int8WeightLinear(getattr(parent, attribute)))
+
+
+def _import_torchao() -> None:
+    # at import torchao logs that its CUDA-only extensions fail to load on a CPU build: expected, not a fault
+    torchao_log = logging.getLogger("torchao")
+    level = torchao_log.level
+    torchao_log.setLevel(logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+    finally:
+        torchao_log.setLevel(level)
+
+
+class Int8WeightLinear(nn.Module):
+    """An ``nn.Linear`` with int8 weights and one scale per output row, run by PyTorch's int8-weight kernel.
+
+    The weight is called ``weight_int8``, not ``weight``: code that reads ``proj.weight.dtype`` to
+    cast activations would silently cast them to int8; this way it fails loudly instead.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        from torchao.quantization import Int8Tensor, PerRow
+
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        quantized = Int8Tensor.from_hp(linear.weight.detach(), PerRow())  # symmetric, float32 scales
+        self.weight_int8 = nn.Parameter(quantized.qdata.contiguous(), requires_grad=False)  # [out, in] int8
+        self.scale = nn.Parameter(quantized.scale.flatten().to(KERNEL_DTYPE), requires_grad=False)  # [out]
+        self.bias = linear.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [tokens, in]
+        out = torch._weight_int8pack_mm(rows, self.weight_int8, self.scale)  # [tokens, out]
+        out = out.reshape(*hidden.shape[:-1], self.out_features).to(hidden.dtype)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def parameter_bytes(modules: list[nn.Module], seen: set[int]) -> int:
+    """Bytes the parameters of ``modules`` hold, counting each storage once across calls sharing ``seen``.
+
+    torchao's quantized weights are tensor subclasses that report a float dtype and no storage of
+    their own (``data_ptr()`` is 0): their bytes are those of the tensors inside (int8 data, scales,
+    zero points), found through the subclass protocol ``__tensor_flatten__``.
+    """
+    total = 0
+    for module in modules:
+        for param in module.parameters():
+            for tensor in _plain_tensors(param):
+                if tensor.device.type != "meta" and tensor.data_ptr() not in seen:
+                    seen.add(tensor.data_ptr())
+                    total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [plain for name in names for plain in _plain_tensors(getattr(tensor, name))]
