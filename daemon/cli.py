@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -149,8 +150,9 @@ def load_node(argv: list[str]):
         except ValueError as exc:
             raise Refused(f"--layers: {exc}" + (f" ({gguf.name} has {num_layers} layers)" if gguf else ""), 2) from None
         if gguf:  # dequantized straight into the compute dtype: the cache holds what the node will hold
-            dtype = dtype_name(resolve_dtype(config.dtype, resolve_device(config.device)))
-            folder = gguf_range_folder(gguf, start, end, dtype=dtype, progress=_say)
+            config = dataclasses.replace(config, dtype=dtype_name(resolve_dtype(config.dtype,
+                                                                                resolve_device(config.device))))
+            folder = gguf_range_folder(gguf, start, end, dtype=config.dtype, progress=_say)
         info = read_model_info(folder)
         _say(f"loading layers {format_layers(start, end)} of {info.name} ({info.num_layers} layers) "
              f"with {threads} thread(s)")

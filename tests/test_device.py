@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from daemon.errors import ModelUnavailable
-from daemon.model.device import computes_bfloat16, dtype_name, resolve_device, resolve_dtype
+from daemon.model.device import (
+    checkpoint_dtype,
+    computes,
+    computes_bfloat16,
+    dtype_name,
+    resolve_device,
+    resolve_dtype,
+)
 
 
 def test_auto_takes_a_gpu_only_where_torch_sees_one():
@@ -29,6 +36,20 @@ def test_an_absent_cuda_device_is_a_clear_error(name):
 def test_a_device_torch_does_not_name_is_refused(name):
     with pytest.raises(ModelUnavailable, match="--device must be auto, cpu, cuda, cuda:N or mps"):
         resolve_device(name)
+
+
+def test_auto_keeps_the_checkpoint_dtype_where_the_device_computes_it(tmp_path):
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, "float32") == torch.float32  # nothing to convert, generate's own tokens
+    assert resolve_dtype("auto", cpu, "bfloat16") == (torch.bfloat16 if computes_bfloat16(cpu) else torch.float32)
+    float16 = torch.float16 if computes(torch.float16, cpu) else resolve_dtype("auto", cpu)
+    assert resolve_dtype("auto", cpu, "float16") == float16
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "dtype": "bfloat16"}')
+    assert checkpoint_dtype(tmp_path) == "bfloat16"
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_5", "text_config": {"torch_dtype": "float16"}}')
+    assert checkpoint_dtype(tmp_path) == "float16"
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert checkpoint_dtype(tmp_path) is None
 
 
 def test_auto_dtype_is_bfloat16_where_the_device_computes_it():

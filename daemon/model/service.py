@@ -22,7 +22,7 @@ from daemon.api import MemoryInfo, Sampling, SessionInfo
 from daemon.errors import BadRequest
 from daemon.kvstore import SessionCacheStore
 from daemon.model.cores import CoreShare
-from daemon.model.device import dtype_name, resolve_device, resolve_dtype
+from daemon.model.device import checkpoint_dtype, dtype_name, resolve_device, resolve_dtype
 from daemon.model.quantize import check_quantization
 from daemon.model.shard import ModelShard, StepResult
 from daemon.model.tensors import as_sent, to_activation, to_tensor
@@ -65,11 +65,11 @@ class ShardService:
              share_cores: bool, dtype: str = "float32", device: str = "cpu", quantize: str | None = None,
              on_step: StepObserver | None = None) -> ShardService:
         """Load layers ``[start, end)`` of the model in ``folder`` (blocking), in ``dtype`` on ``device``
-        (``--dtype`` and ``--device`` values: ``auto`` resolves against this machine), its layers' weights
-        quantized with ``quantize`` if given (checked before any weight is read)."""
+        (``--dtype`` and ``--device`` values: ``auto`` resolves against this machine and the checkpoint), its
+        layers' weights quantized with ``quantize`` if given (checked before any weight is read)."""
         torch.set_num_threads(threads)
         where = resolve_device(device)
-        compute = resolve_dtype(dtype, where)
+        compute = resolve_dtype(dtype, where, checkpoint_dtype(folder))
         if quantize:
             check_quantization(quantize, compute, where)
         shard = ModelShard(folder, start, end, head=start == 0, kv_cache=kv_cache, sessions=store,

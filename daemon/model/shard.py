@@ -153,10 +153,9 @@ class ModelShard:
         self._rotary_per_type = "layer_type" in rotary_params
         layer_params = inspect.signature(type(self.model.model.layers[0]).forward).parameters
         self._layers_share_kv = "shared_kv_states" in layer_params
-        self._load_tensors(self._wanted_parts(head=head))
+        # with ``quantize``, the node's own layers only: embeddings and LM head stay as loaded
+        self._load_tensors(self._wanted_parts(head=head), quantize=quantize)
         self._buffers_to_device()
-        if quantize:  # the node's own layers only: embeddings and LM head stay as loaded
-            quantize_layers([self.model.model.layers[i] for i in range(start, end)], quantize)
         self._layers = tuple(self.model.model.layers)  # indexing a tuple, not a ModuleList, in the step loop
         # the head turns chats into ids, the tail names its token
         self.tokenizer = ChatTokenizer.load(self.folder, self.config) if (head or self.is_tail) else None
@@ -230,7 +229,7 @@ class ModelShard:
             return "norm"
         return None
 
-    def _load_tensors(self, parts: set[str]) -> None:
+    def _load_tensors(self, parts: set[str], *, quantize: str | None = None) -> None:
         from safetensors import safe_open
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
@@ -239,24 +238,38 @@ class ModelShard:
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise ModelUnavailable(f"no *.safetensors weights in {self.folder}")
-        handles, state_dict = [], {}
+        groups: dict[str, dict[Path, list[str]]] = {}  # a layer ("7") or another part -> file -> its keys
         for file in files:
-            handle = safe_open(str(file), framework="pt", device=str(self.device))
-            handles.append(handle)
-            for key in handle.keys():
-                if self._checkpoint_part(key) in parts:
-                    state_dict[key] = handle.get_slice(key)  # materialised only during conversion
+            with safe_open(str(file), framework="pt", device=str(self.device)) as handle:
+                for key in handle.keys():
+                    part = self._checkpoint_part(key)
+                    if part in parts:
+                        layer = _LAYER_KEY.search(key)
+                        groups.setdefault(layer.group(1) if layer else part, {}).setdefault(file, []).append(key)
         config = LoadStateDictConfig(
             dtype=self.dtype,
             weight_mapping=get_model_conversion_mapping(self.model, _TEXT_MODEL_RENAMING, None),
             device_map={"": str(self.device)},
         )
-        # transformers' own loader: renames and fuses checkpoint tensors (MoE experts, qkv) as from_pretrained does
-        info, _ = convert_and_load_state_dict_in_model(self.model, state_dict, config)
-        if info.conversion_errors or info.error_msgs:
-            problems = info.conversion_errors or info.error_msgs
-            raise ModelUnavailable(f"could not load weights from {self.folder}: {problems}")
-        del handles, state_dict
+        # A layer at a time, from files mapped for it alone, quantized as soon as it is in: a mapped file's pages
+        # count in this process's memory while mapped, so a node converting float32 weights to bfloat16 or int8
+        # would otherwise peak at the float32 bytes of all its layers on top of what it keeps.
+        for group, keys_by_file in groups.items():
+            handles = {file: safe_open(str(file), framework="pt", device=str(self.device)) for file in keys_by_file}
+            state_dict = {key: handles[file].get_slice(key) for file, keys in keys_by_file.items() for key in keys}
+            # transformers' own loader: renames and fuses checkpoint tensors (MoE experts, qkv) as
+            # from_pretrained does; a slice is read (and cast) only here
+            info, _ = convert_and_load_state_dict_in_model(self.model, state_dict, config)
+            if info.conversion_errors or info.error_msgs:
+                problems = info.conversion_errors or info.error_msgs
+                raise ModelUnavailable(f"could not load weights from {self.folder}: {problems}")
+            del handles, state_dict
+            if quantize and group.isdigit():
+                layer = self.model.model.layers[int(group)]
+                quantize_layers([layer], quantize)
+                for parameter in layer.parameters():  # what was not quantized lets go of the file's mapping
+                    if type(parameter.data) is torch.Tensor:
+                        parameter.data = parameter.data.clone()
         if "lm_head" in parts and self.model.lm_head.weight.device.type == "meta":
             # no LM head in the checkpoint: it is tied to the embeddings, even where a multimodal checkpoint's
             # text config does not say so (Gemma 4 ties in its top-level config only)
