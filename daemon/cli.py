@@ -243,6 +243,10 @@ async def serve_until_stopped(app, node) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # transformers imports torchao wherever it is installed, and that import logs, at every start, the CUDA
+    # kernels a CPU build cannot load and torch's deprecation of how it registers its enums: noise, not news
+    for noisy in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     if argv[:1] == ["fetch-model"]:
         return fetch_model(argv[1:])
     if argv[:1] == ["bench"]:

@@ -17,6 +17,7 @@ import pytest
 
 from daemon.errors import ModelUnavailable
 from daemon.model import source
+from daemon.model.device import dtype_name, resolve_device, resolve_dtype
 from daemon.model.gguf_convert import gguf_layer_count, write_gguf_range
 from daemon.model.source import default_gguf_path, gguf_range_folder, resolve_model
 from tests.meshtest import Daemon, start_mesh
@@ -489,8 +490,9 @@ async def test_the_local_mesh_gives_each_node_the_gguf_to_convert_its_own_range(
             assert node.argv[node.argv.index("--model") + 1] == str(gguf_path)
         assert ("model", "meshd: tiny-llama.Q8_0.gguf has 4 layers") in lines
         converted = sorted((tmp_path / "cache").rglob("model.safetensors"))
+        dtype = dtype_name(resolve_dtype("auto", resolve_device("cpu")))  # a GGUF has no float dtype of its own
         assert [(p.parent.parent.name, p.parent.name) for p in converted] == [
-            ("layers-0-1-float32", "tiny-llama.Q8_0"), ("layers-2-3-float32", "tiny-llama.Q8_0")]
+            (f"layers-0-1-{dtype}", "tiny-llama.Q8_0"), (f"layers-2-3-{dtype}", "tiny-llama.Q8_0")]
         status, body = http_json("POST", f"{local.head_url}/v1/chat/completions",
                                  {"messages": MESSAGES, "max_tokens": 4, "ignore_eos": True})
         assert status == 200, body

@@ -240,12 +240,11 @@ class ModelShard:
             raise ModelUnavailable(f"no *.safetensors weights in {self.folder}")
         groups: dict[str, dict[Path, list[str]]] = {}  # a layer ("7") or another part -> file -> its keys
         for file in files:
-            with safe_open(str(file), framework="pt", device=str(self.device)) as handle:
-                for key in handle.keys():
-                    part = self._checkpoint_part(key)
-                    if part in parts:
-                        layer = _LAYER_KEY.search(key)
-                        groups.setdefault(layer.group(1) if layer else part, {}).setdefault(file, []).append(key)
+            for key in safe_open(str(file), framework="pt", device=str(self.device)).keys():
+                part = self._checkpoint_part(key)
+                if part in parts:
+                    layer = _LAYER_KEY.search(key)
+                    groups.setdefault(layer.group(1) if layer else part, {}).setdefault(file, []).append(key)
         config = LoadStateDictConfig(
             dtype=self.dtype,
             weight_mapping=get_model_conversion_mapping(self.model, _TEXT_MODEL_RENAMING, None),
