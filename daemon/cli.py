@@ -130,9 +130,14 @@ def load_node(argv: list[str]):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
-    from daemon.api import format_layers, parse_layers
     from daemon.errors import ModelUnavailable
     from daemon.model.device import dtype_name, resolve_device, resolve_dtype
+
+    try:
+        device = resolve_device(config.device)  # an absent device is said before the model code is imported
+    except ModelUnavailable as exc:
+        raise Refused(exc.message) from None
+    from daemon.api import format_layers, parse_layers
     from daemon.model.gguf_convert import gguf_layer_count
     from daemon.model.shard import read_model_info
     from daemon.model.source import gguf_model_file, gguf_range_folder, resolve_model
@@ -150,8 +155,7 @@ def load_node(argv: list[str]):
         except ValueError as exc:
             raise Refused(f"--layers: {exc}" + (f" ({gguf.name} has {num_layers} layers)" if gguf else ""), 2) from None
         if gguf:  # dequantized straight into the compute dtype: the cache holds what the node will hold
-            config = dataclasses.replace(config, dtype=dtype_name(resolve_dtype(config.dtype,
-                                                                                resolve_device(config.device))))
+            config = dataclasses.replace(config, dtype=dtype_name(resolve_dtype(config.dtype, device)))
             folder = gguf_range_folder(gguf, start, end, dtype=config.dtype, progress=_say)
         info = read_model_info(folder)
         _say(f"loading layers {format_layers(start, end)} of {info.name} ({info.num_layers} layers) "

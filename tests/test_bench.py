@@ -54,20 +54,23 @@ def test_a_quick_run_measures_every_setup_and_writes_json(tiny_model, tmp_path):
     assert result["targets"] and result["machine"]["cores"] >= 1
 
 
-def test_a_short_run_measures_one_mesh_against_generate(tiny_model, tmp_path):
-    """The fast subset's run of ``meshd bench``: the reference, the cached two-node mesh and the floor."""
-    out = tmp_path / "bench.json"
+@pytest.mark.slow
+def test_a_short_run_measures_one_mesh_against_generate_in_each_precision(tiny_model, tmp_path):
+    """A short run of ``meshd bench``: the reference, the cached two-node mesh and the floor, in each precision
+    (int8 weights compute in bfloat16)."""
+    out, precisions = tmp_path / "bench.json", ("float32", "bfloat16", "int8")
     proc = subprocess.run(
         [sys.executable, "-m", "daemon.cli", "bench", "--model", str(tiny_model("llama")), "--tokens", "4",
          "--setups", "generate", "cached", "--reference-threads", "1", "--sessions", "0",
-         "--precisions", "float32", "bfloat16", "int8", "--json", str(out)],
+         "--precisions", *precisions, "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {(r["setup"], r["precision"]): r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {(setup, precision) for setup in ("generate, 1 process, 1 thread", "mesh, 2 nodes, cached")
-                         for precision in ("float32", "bfloat16", "int8")}
-    for precision, size in (("float32", 4), ("bfloat16", 2), ("int8", 2)):  # int8 weights compute in bfloat16
+                         for precision in precisions}
+    for precision in precisions:
+        size = {"float32": 4}.get(precision, 2)  # int8 weights compute in bfloat16
         mesh, reference = rows["mesh, 2 nodes, cached", precision], rows["generate, 1 process, 1 thread", precision]
         assert mesh["tokens_match"] is True and mesh["token_ids"] == reference["token_ids"]  # generate in its dtype
         assert mesh["decode_tps"] > 0 and mesh["payload_bytes_per_hop_step"] == 64 * size  # the tiny hidden size

@@ -231,6 +231,7 @@ def _range_keys(weights: dict, start: int, end: int, num_layers: int) -> set[str
 # --- tiny files: the same tensors as transformers' whole-model loader ---------------------------
 
 
+@pytest.mark.slow
 def test_the_written_gguf_loads_back_into_the_tiny_model(tiny_gguf, tiny_llama, whole_gguf_weights) -> None:
     import torch
 
@@ -256,6 +257,7 @@ def test_a_range_holds_exactly_its_tensors_as_the_whole_model_loader_makes_them(
     assert {tensor.dtype for tensor in ours.values()} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_a_qwen35_range_goes_through_the_newer_loader_and_loads_in_a_shard(
     built_in_gguf, whole_gguf_weights, tmp_path: Path
 ) -> None:
@@ -433,6 +435,7 @@ def test_an_unknown_architecture_is_named(tiny_llama, built_in_gguf, temp_cache:
     assert not list(temp_cache.rglob("*.safetensors")) and not list(temp_cache.rglob("*building*"))
 
 
+@pytest.mark.slow
 def test_an_undequantizable_tensor_is_named_and_no_node_starts(tiny_llama, built_in_gguf, tmp_path: Path) -> None:
     gguf_path = write_llama_gguf(tiny_llama, tmp_path / "odd.gguf", built_in_gguf, "Q8_0",
                                  odd_tensor="blk.3.ffn_down.weight")
@@ -451,6 +454,7 @@ def test_an_undequantizable_tensor_is_named_and_no_node_starts(tiny_llama, built
 # --- meshd fetch-model and the console's local mesh -------------------------------------------
 
 
+@pytest.mark.slow
 def test_fetch_model_converts_a_range_the_whole_file_or_only_counts(tiny_gguf, temp_cache: Path) -> None:
     gguf_path, cache = tiny_gguf("Q8_0"), temp_cache
     counted = meshd("fetch-model", "--model", str(gguf_path), "--layer-count", cache=cache)

@@ -187,7 +187,7 @@ def two_bfloat16_nodes(default_model, tmp_path_factory):
         d.stop()
 
 
-@pytest.mark.parametrize("prompt", [pytest.param(0, id="0"), pytest.param(1, id="1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("prompt", [pytest.param(0, id="0", marks=pytest.mark.slow), pytest.param(1, id="1", marks=pytest.mark.slow)])
 def test_two_node_bfloat16_mesh_matches_generate_in_bfloat16(two_bfloat16_nodes, reference_tokens_in, prompt):
     """Computed in bfloat16 and sent over the wire in bfloat16 (the compute dtype: nothing is rounded on the
     way), the mesh emits the tokens ``generate`` gives in bfloat16 with the same weights."""
@@ -196,6 +196,7 @@ def test_two_node_bfloat16_mesh_matches_generate_in_bfloat16(two_bfloat16_nodes,
     assert body["meshnet"]["token_ids"] == reference_tokens_in("bfloat16")(PROMPTS[prompt], 64, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_bfloat16_nodes_hold_half_the_bytes_and_say_so(two_bfloat16_nodes, reference_model):
     model, _ = reference_model
     float32_layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())

@@ -65,6 +65,19 @@ def test_bad_input_is_one_line(args, code, expected):
     assert expected in result.stderr and "Traceback" not in result.stderr
 
 
+def test_dtype_auto_is_the_checkpoints_and_every_command_names_its_dtype(tiny_model, tmp_path, capsys):
+    from daemon.plan.command import main
+
+    # meshd's own --dtype auto depends on the machine it runs on: a planned command always says which dtype
+    config = json.loads((tiny_model("llama") / "config.json").read_text())
+    for saved in ("bfloat16", "float32"):
+        (tmp_path / "config.json").write_text(json.dumps(config | {"dtype": saved}))
+        assert main(["--model", str(tmp_path), "--node", "1GiB", "--node", "1GiB", "--reserve", "1MiB", "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["dtype"] == saved
+        assert all(f"--dtype {saved} " in node["command"] for node in plan["nodes"])
+
+
 @pytest.mark.slow
 def test_more_nodes_than_layers_and_a_context_past_the_model_are_refused(tiny_model):
     model = str(tiny_model("llama"))  # 4 layers, 1024 positions
@@ -262,6 +275,7 @@ def test_tiny_untied_model_weights_match_three_running_nodes(tiny_model):
             node.stop()
 
 
+@pytest.mark.slow
 def test_builtin_model_weights_and_cache_match_two_running_nodes(default_model):
     plan = plan_of("--node", "1GiB", "--node", "768MiB", "--context", "512")
     assert plan["fits"] and plan["model"]["tied_embeddings"]

@@ -143,6 +143,7 @@ class ModelFootprint:
     max_positions: int | None
     caches: tuple[LayerCache, ...] | None  # None: not understood (see cache_unknown)
     cache_unknown: str | None = None
+    saved_dtype: str | None = None  # the dtype the checkpoint's config names (None: a GGUF file, or none named)
 
     @property
     def num_layers(self) -> int:
@@ -254,6 +255,7 @@ def _count_skeleton(config, name: str, source: str) -> ModelFootprint:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    saved_dtype = _saved_dtype(config) if source != "GGUF header" else None  # from_config overwrites it
     # built in bfloat16: a parameter still in float32 then is one the model keeps in float32 in any dtype
     try:
         with init_empty_weights():
@@ -281,7 +283,17 @@ def _count_skeleton(config, name: str, source: str) -> ModelFootprint:
         max_positions=getattr(text, "max_position_embeddings", None),
         caches=caches,
         cache_unknown=unknown,
+        saved_dtype=saved_dtype,
     )
+
+
+def _saved_dtype(config) -> str | None:
+    for part in (config, config.get_text_config(decoder=True)):
+        dtype = getattr(part, "dtype", None)
+        name = str(dtype).removeprefix("torch.") if dtype is not None else None
+        if name in DTYPE_BYTES:
+            return name
+    return None
 
 
 def _count_module(module) -> PartValues:

@@ -253,7 +253,7 @@ class ModelShard:
         # A layer at a time, from files mapped for it alone, quantized as soon as it is in: a mapped file's pages
         # count in this process's memory while mapped, so a node converting float32 weights to bfloat16 or int8
         # would otherwise peak at the float32 bytes of all its layers on top of what it keeps.
-        for group, keys_by_file in groups.items():
+        for group, keys_by_file in _quiet_progress(groups.items()):
             handles = {file: safe_open(str(file), framework="pt", device=str(self.device)) for file in keys_by_file}
             state_dict = {key: handles[file].get_slice(key) for file, keys in keys_by_file.items() for key in keys}
             # transformers' own loader: renames and fuses checkpoint tensors (MoE experts, qkv) as
@@ -470,6 +470,20 @@ class ModelShard:
             log.warning("cache probe failed: %s", exc)
             return False
         return cache_nbytes(cache) > 0
+
+
+def _quiet_progress(items):
+    """Iterate with transformers' per-call "Loading weights" bar switched off: one bar per layer is noise in a
+    node's log; the node says itself what it loaded and how long it took."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield from items
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def cache_nbytes(cache) -> int:

@@ -58,9 +58,12 @@ def _parser() -> argparse.ArgumentParser:
                    "built-in default SmolLM2-135M-Instruct (used when absent)")
     p.add_argument("--node", action="append", type=parse_size, default=[], metavar="SIZE",
                    help="memory of one machine, like 16GiB, 8GB or 512MiB; one per machine, in route order")
-    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="float32", help="weights' dtype (default float32)")
+    p.add_argument("--dtype", choices=("auto", *DTYPE_BYTES), default="auto",
+                   help="weights' dtype (default auto: the checkpoint's own, as meshd --dtype auto keeps it on a "
+                   "device that computes it; bfloat16 for a GGUF file)")
     p.add_argument("--quantize", choices=QUANTIZATIONS, help="int8: weight-only int8 of the decoder layers' Linear "
-                   "weights (1 byte each plus a float32 scale per output channel)")
+                   "weights (1 byte each plus a bfloat16 scale per output channel; int8-torchao: a float32 scale "
+                   "and an int8 zero point)")
     p.add_argument("--context", type=_positive_int, metavar="TOKENS", help="tokens per session to size the caches "
                    f"for (default: the model's context, at most {DEFAULT_CONTEXT_CAP})")
     p.add_argument("--reserve", type=parse_size, default=DEFAULT_RESERVE, metavar="SIZE",
@@ -99,7 +102,10 @@ def main(argv: list[str]) -> int:
     if limit and context > limit:
         return _fail(f"plan: --context {context} is longer than the model's context of {limit} tokens", 2)
     try:
-        plan = plan_mesh(footprint, args.node, Precision(args.dtype, args.quantize), context=context,
+        dtype = args.dtype
+        if dtype == "auto":
+            dtype = footprint.saved_dtype or ("bfloat16" if footprint.source == "GGUF header" else "float32")
+        plan = plan_mesh(footprint, args.node, Precision(dtype, args.quantize), context=context,
                          reserve=args.reserve)
     except ValueError as exc:
         return _fail(f"plan: {exc}", 2)

@@ -16,8 +16,7 @@ def node_command(plan: MeshPlan, node: NodePlan, model: str | None) -> str:
     if model:
         words += ["--model", model]
     words += ["--layers", format_layers(node.start, node.end)]
-    if plan.precision.dtype != "float32":
-        words += ["--dtype", plan.precision.dtype]
+    words += ["--dtype", plan.precision.dtype]  # always: meshd's own default (auto) depends on the machine
     if plan.precision.quantize:
         words += ["--quantize", plan.precision.quantize]
     words += ["--kv-max-bytes", str(node.kv_room)]
