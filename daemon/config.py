@@ -137,6 +137,11 @@ class NodeConfig:
         None, flag="--quantize", choices=("int8", "int8-torchao"),
         help="weight-only int8 for this node's decoder layers: a quarter of float32's bytes (int8: PyTorch's "
         "int8 kernel in bfloat16, fast on CPU; int8-torchao: torchao's own, any device, slow on CPU)")
+    prefix_reuse: str = setting(
+        "shared", flag="--prefix-reuse", choices=("shared", "client", "off"),
+        help="as head, start a request from a session the mesh already holds when its prompt begins with that "
+        "session's tokens: shared (any client's; default), client (only the same client's: its OpenAI 'user', "
+        "else its address; a cached prefix answers faster, which another client could time), or off")
     wire_dtype: str | None = setting(  # None: the compute dtype, which loses nothing
         None, flag="--wire-dtype", choices=("float32", "float16", "bfloat16"),
         help="dtype of activations this node sends as head (default: its compute dtype, exact)")

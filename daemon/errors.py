@@ -56,6 +56,8 @@ CACHE_MISS_REASONS = (
     "past_len_mismatch",  # the cache holds a different number of tokens than the head expects
     "start_layer_mismatch",  # the route changed which layers this node must run
     "cache_disabled",  # the node runs stateless (--no-kv-cache or an unsupported model)
+    "prefix_unavailable",  # the session a step would start from is gone, shorter, or cached from another layer
+    "not_croppable",  # the prefix session's layers cannot be cut back to the asked length (linear attention, windows)
 )
 
 

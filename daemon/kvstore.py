@@ -3,6 +3,11 @@
 Cache objects are opaque (a ``DynamicCache`` in practice): no torch, no K/V shape assumed.
 Bounds are checked on every access: a TTL, a session count (LRU) and a byte budget. The torch
 worker thread writes and the aiohttp event loop reads, so every public method takes one lock.
+
+A session whose generation has ended stays as a **retained prefix** (:meth:`SessionCacheStore.retain`)
+that a later step can continue, copy or take over (:meth:`SessionCacheStore.derive`). Retained
+sessions count against the same bounds, and when a bound is hit they go first, least recently
+used first: a live generation is never evicted to keep an idle prefix.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from daemon.api import StoreStats
 from daemon.errors import CACHE_MISS_REASONS, CacheMiss
 
 EVICTION_REASONS = ("ttl", "lru", "bytes", "dropped")
+Derive = Callable[[object, int, int, bool], object | None]  # (cache, keep, held, copy) -> cache, or None: cannot
 
 
 @dataclass
@@ -32,6 +38,7 @@ class SessionEntry:
     created_at: float  # clock() seconds; wall-clock epoch by default so a console can show them
     last_used: float
     expires_at: float  # last_used + ttl
+    retained: bool = False  # its generation ended: an idle prefix, evicted before any live session
 
 
 class SessionCacheStore:
@@ -105,6 +112,45 @@ class SessionCacheStore:
                 entry.nbytes = nbytes
                 self._touch(entry, now)
             self._enforce_bounds(now)
+
+    def derive(self, session_id: str, source_id: str, *, keep: int, start_layer: int, take: bool,
+               cut: Derive, nbytes: Callable[[object], int]) -> None:
+        """Make ``session_id`` from the first ``keep`` positions of ``source_id``'s cache: ``cut(cache, keep,
+        held, copy)`` copies them (``take`` False: the source stays) or crops the source in place and the entry
+        moves to the new id. Raises :class:`CacheMiss` when the source is gone, shorter than ``keep``, cached
+        from another start layer, or cannot be cut back (``cut`` returns None); the source is then untouched.
+        """
+        with self._lock:
+            now = self._clock()
+            self._enforce_bounds(now)
+            source = self._entries.get(source_id)
+            if source is None:
+                raise self._miss("prefix_unavailable", f"no cached session {source_id!r} to start from on this node")
+            if source.start_layer != start_layer or source.past_len < keep:
+                raise self._miss("prefix_unavailable", f"session {source_id!r} holds {source.past_len} tokens from "
+                                 f"layer {source.start_layer}; the step needs {keep} from layer {start_layer}")
+            # cutting runs under the lock: a copy of a few hundred positions, far below a step's compute
+            cache = cut(source.cache, keep, source.past_len, not take)
+            if cache is None:
+                raise self._miss("not_croppable", f"session {source_id!r} holds {source.past_len} tokens in layers "
+                                 f"that cannot be cut back to {keep} (linear attention or a filled sliding window)")
+            if take:
+                del self._entries[source_id]  # moved, not evicted
+            self._entries.pop(session_id, None)
+            self._entries[session_id] = SessionEntry(session_id, cache, keep, start_layer, nbytes(cache), now, now,
+                                                     now + self.ttl_seconds)
+            self._enforce_bounds(now)
+
+    def retain(self, session_id: str) -> bool:
+        """Mark a session whose generation ended as a retained prefix; False if it is not here."""
+        with self._lock:
+            now = self._clock()
+            entry = self._entries.get(session_id)
+            if entry is None:
+                return False
+            entry.retained = True
+            self._touch(entry, now)
+            return True
 
     def drop(self, session_id: str, reason: str = "dropped") -> bool:
         """Remove a session, counting it as an eviction for ``reason``; False if it was not here."""
@@ -184,9 +230,13 @@ class SessionCacheStore:
             for session_id in [s for s, e in self._entries.items() if e.nbytes > self.max_bytes]:
                 self._evict(session_id, "bytes")
         while len(self._entries) > self.max_sessions:
-            self._evict(next(iter(self._entries)), "lru")
+            self._evict(self._next_victim(), "lru")
         total = sum(e.nbytes for e in self._entries.values())
         while self.max_bytes is not None and total > self.max_bytes:
-            lru = next(iter(self._entries))  # never the newest: it fits alone, so the loop stops first
-            total -= self._entries[lru].nbytes
-            self._evict(lru, "bytes")
+            victim = self._next_victim()  # never the newest: it fits alone, so the loop stops first
+            total -= self._entries[victim].nbytes
+            self._evict(victim, "bytes")
+
+    def _next_victim(self) -> str:
+        """The least recently used retained prefix, else the least recently used session."""
+        return next((s for s, e in self._entries.items() if e.retained), None) or next(iter(self._entries))

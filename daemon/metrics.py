@@ -65,6 +65,9 @@ class Metrics:
                                   registry=r)
         self.failovers = Counter("meshnet_failovers", "Hops that failed mid-generation and were routed around",
                                  registry=r)
+        self.prompt_tokens = Counter("meshnet_prompt_tokens", "Prompt tokens of generations this node headed: "
+                                     "reused (held by a session the mesh kept) or computed (prefilled or extended, "
+                                     "re-prefills included)", ["kind"], registry=r)
         self.cache_misses = Counter("meshnet_head_cache_misses", "409 cache misses the head's generations met",
                                     registry=r)
         self.running = Gauge("meshnet_requests_running", "Requests being handled now", ["endpoint"], registry=r)
@@ -92,3 +95,5 @@ class Metrics:
         self.reprefills.inc(stats.reprefills)
         self.failovers.inc(stats.failovers)
         self.cache_misses.inc(stats.cache_misses)
+        self.prompt_tokens.labels("reused").inc(stats.cached_tokens)
+        self.prompt_tokens.labels("computed").inc(stats.prompt_computed_tokens)

@@ -53,7 +53,7 @@ class Node:
         self.head = Head(service, self.planner, metrics, model_name=info.name, settings=HeadSettings(
             wire_dtype=config.wire_dtype or service.dtype, hop_timeout_seconds=config.hop_timeout_seconds,
             max_generations=config.max_generations, max_tokens_default=config.max_tokens_default,
-            max_tokens_cap=config.max_tokens_cap,
+            max_tokens_cap=config.max_tokens_cap, prefix_reuse=config.prefix_reuse,
         ))
         self.draining = False  # set on SIGTERM: finish what runs, take nothing new
         self.started_at = time.time()
@@ -131,6 +131,9 @@ class Node:
 
     def drop_session(self, session_id: str) -> bool:
         return self.service.drop_session(session_id)
+
+    def retain_session(self, session_id: str) -> bool:
+        return self.service.retain_session(session_id)
 
     def route(self, *, refresh: bool) -> RouteInfo:
         if refresh or not self.planner.route:

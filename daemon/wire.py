@@ -16,7 +16,21 @@ Request headers (absent means the old behaviour):
 ``X-Meshnet-Dtype``         ``float32`` (exact, default), ``float16`` or ``bfloat16``
 ``X-Meshnet-Shape``         ``1,T,hidden``
 ``X-Meshnet-Sampling``      tail only: JSON ``{"temperature", "top_p", "top_k", "seed"}``
+``X-Meshnet-Prefix``        decode only: start this session from another session's cache
+``X-Meshnet-Prefix-Mode``   ``fork`` (default: copy it, the other stays) or ``take`` (move it)
 ==========================  ==========================================================
+
+An **extend** step is a ``decode`` step of k >= 1 positions: the session's cache holds
+``Past-Len`` positions and the body carries the next k (a new chat turn's suffix; one
+token when generating). With ``X-Meshnet-Prefix: S0`` the session is first made from
+session S0's cache cut back to ``Past-Len`` positions: a copy (``fork``, for a prefix
+other conversations share) or S0 itself, renamed and **cropped** in place (``take``, for
+a conversation's own next turn). A node that cannot do that answers 409 with reason
+``prefix_unavailable`` (S0 gone, shorter, or cached from another start layer) or
+``not_croppable`` (S0's layers keep state that cannot be cut back: linear attention,
+a sliding window already past its size). An older node ignores both headers, finds no
+such session and answers 409 too: the head then prefills the whole prompt, as after
+any miss.
 
 A node that does not host the last layer answers with activation bytes and the
 same dtype/shape headers; the tail answers JSON ``{"token_id": int, "text": str}``.
@@ -41,10 +55,13 @@ DTYPE = "X-Meshnet-Dtype"
 SHAPE = "X-Meshnet-Shape"
 SAMPLING = "X-Meshnet-Sampling"
 COMPUTE_MS = "X-Meshnet-Compute-Ms"
+PREFIX = "X-Meshnet-Prefix"
+PREFIX_MODE = "X-Meshnet-Prefix-Mode"
 
 ACTIVATION_CONTENT_TYPE = "application/octet-stream"
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CACHE_MODES = ("prefill", "decode")
+PREFIX_MODES = ("fork", "take")
 MAX_SEQUENCE = 1 << 20
 _SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
@@ -72,6 +89,8 @@ class ForwardRequest:
     start_layer: int
     hop_index: int | None
     sampling: dict = field(default_factory=dict)
+    prefix: str | None = None  # decode only: the session to start from, cut back to past_len positions
+    take_prefix: bool = False  # move that session's cache (crop it in place) rather than copy it
 
 
 @dataclass(frozen=True)
@@ -181,6 +200,7 @@ def parse_forward(
             f"{START_LAYER} {start_layer} is outside this node's layers {first_layer}-{end_layer - 1}",
             param=START_LAYER,
         )
+    prefix, take_prefix = _parse_prefix(headers, mode=mode, session_id=session_id)
     activation = parse_activation(headers, body, hidden_size=hidden_size)
     return ForwardRequest(
         activation=activation,
@@ -190,7 +210,29 @@ def parse_forward(
         start_layer=start_layer,
         hop_index=_int_header(headers, HOP_INDEX, maximum=1024),
         sampling=parse_sampling(headers.get(SAMPLING)),
+        prefix=prefix,
+        take_prefix=take_prefix,
     )
+
+
+def _parse_prefix(headers, *, mode: str | None, session_id: str | None) -> tuple[str | None, bool]:
+    prefix = headers.get(PREFIX)
+    take = headers.get(PREFIX_MODE)
+    if prefix is None:
+        if take is not None:
+            raise BadRequest(f"{PREFIX_MODE} needs an {PREFIX} header", param=PREFIX_MODE)
+        return None, False
+    if not _SESSION_ID.fullmatch(prefix):
+        raise BadRequest(f"{PREFIX} must be 1-128 characters of [A-Za-z0-9._:-]", param=PREFIX)
+    if mode != "decode":
+        raise BadRequest(f"{PREFIX} goes with {CACHE}: decode (an extend step), not {mode or 'a stateless step'}",
+                         param=PREFIX)
+    if prefix == session_id:
+        raise BadRequest(f"{PREFIX} names the step's own session; a session continues without it", param=PREFIX)
+    take = (take or "fork").strip().lower()
+    if take not in PREFIX_MODES:
+        raise BadRequest(f"{PREFIX_MODE} must be 'fork' or 'take', got {take[:40]!r}", param=PREFIX_MODE)
+    return prefix, take == "take"
 
 
 def forward_headers(
@@ -202,6 +244,8 @@ def forward_headers(
     start_layer: int,
     hop_index: int,
     sampling: dict | None = None,
+    prefix: str | None = None,
+    take_prefix: bool = False,
 ) -> dict[str, str]:
     """Headers for one hop of a step, the client side of :func:`parse_forward`."""
     headers = activation.headers() | {START_LAYER: str(start_layer), HOP_INDEX: str(hop_index)}
@@ -214,4 +258,7 @@ def forward_headers(
         headers[PAST_LEN] = str(past_len)
     if sampling:
         headers[SAMPLING] = json.dumps(sampling, separators=(",", ":"))
+    if prefix is not None:
+        headers[PREFIX] = prefix
+        headers[PREFIX_MODE] = "take" if take_prefix else "fork"
     return headers

@@ -265,6 +265,12 @@ class FakeNode:
         self.session_infos = [s for s in self.session_infos if s.session_id != session_id]
         return len(self.session_infos) < before
 
+    def retain_session(self, session_id: str) -> bool:
+        found = [s for s in self.session_infos if s.session_id == session_id]
+        for info in found:
+            info.retained = True
+        return bool(found)
+
     def route(self, *, refresh: bool) -> RouteInfo:
         return RouteInfo(hops=[RouteHopInfo(self.url, self.service.start, self.service.end, True, True, 1.0)])
 

@@ -212,6 +212,7 @@ class SessionInfo:
     created_at: float
     last_used: float
     expires_at: float
+    retained: bool = False  # a finished generation's session kept as a prefix; past_len: the tokens it holds
 
 
 @dataclass
@@ -350,7 +351,9 @@ class GenerationStats:
     failovers: int = 0
     reroutes: int = 0
     stateless_steps: int = 0
-    prefill_ms: float | None = None
+    cached_tokens: int = 0  # prompt tokens the nodes already held (a reused prefix), not computed again
+    prompt_computed_tokens: int = 0  # positions prefilled or extended for the prompt, re-prefills included
+    prefill_ms: float | None = None  # the prompt's first step: a prefill, or an extend after a reused prefix
     first_token_ms: float | None = None
     decode_seconds: float = 0.0
     finish_reason: str | None = None  # "stop", "length"; None while running or when abandoned

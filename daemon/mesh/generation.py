@@ -27,6 +27,7 @@ from daemon import wire
 from daemon.api import GenerationStats, Hop, Sampling
 from daemon.errors import BadRequest, CacheMiss, HopFailed, UpstreamError
 from daemon.logs import REQUEST_ID_HEADER, request_id
+from daemon.mesh.prefix import PrefixIndex, Reuse
 from daemon.mesh.text import TextStream
 from daemon.mesh.transport import HopTransport, TransportError
 
@@ -70,7 +71,7 @@ class HeadBackend(Protocol):
 
     async def local_step(self, activation: wire.Activation | None, *, mode: str | None, session_id: str,
                          past_len: int, start_layer: int, hop_index: int, sampling: Sampling | None,
-                         token_ids: list[int] | None = None) -> HopReply:
+                         token_ids: list[int] | None = None, prefix: Reuse | None = None) -> HopReply:
         """Run the head's own layers; with ``token_ids`` (a first hop) embed them in the same step."""
 
     def decode(self, token_ids: list[int]) -> str: ...
@@ -78,6 +79,8 @@ class HeadBackend(Protocol):
     def encode_text(self, text: str) -> list[int]: ...
 
     def drop_local_session(self, session_id: str) -> None: ...
+
+    def retain_local_session(self, session_id: str) -> None: ...
 
 
 @dataclass
@@ -87,6 +90,7 @@ class GenerationRequest:
     sampling: Sampling  # sent to the tail
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, golden tests)
+    reuse: Reuse | None = None  # start from a session the route's nodes hold (see daemon.mesh.prefix)
 
 
 @dataclass
@@ -149,15 +153,18 @@ class HopClient:
 
     def release(self, url: str, session_id: str) -> None:
         """Drop a session on a node the generation left (best effort, in the background)."""
-        self._spawn(self._release(url, session_id))
+        self._spawn(self._session_call("DELETE", f"{url.rstrip('/')}/v1/sessions/{session_id}"))
 
-    async def _release(self, url: str, session_id: str) -> None:
+    def retain(self, url: str, session_id: str) -> None:
+        """Keep a finished generation's session on a node as a prefix (best effort, in the background)."""
+        self._spawn(self._session_call("POST", f"{url.rstrip('/')}/v1/sessions/{session_id}/retain"))
+
+    async def _session_call(self, method: str, url: str) -> None:
         try:
-            async with self._session.delete(f"{url.rstrip('/')}/v1/sessions/{session_id}",
-                                            timeout=aiohttp.ClientTimeout(total=2.0)):
+            async with self._session.request(method, url, timeout=aiohttp.ClientTimeout(total=2.0)):
                 pass
         except (aiohttp.ClientError, TimeoutError):
-            pass  # the node is gone or busy: its TTL frees the session anyway
+            pass  # the node is gone or busy: its TTL (and LRU) bound the session anyway
 
     @staticmethod
     def _spawn(coro: Coroutine) -> None:
@@ -195,11 +202,13 @@ async def run_step(
     session_id: str,
     past_len: int,
     sampling: Sampling,
+    prefix: Reuse | None = None,
     on_hop: Callable[[Hop, float, HopReply], None] | None = None,
 ) -> HopReply:
     """Embed ``token_ids`` and pass the step along ``route``; the last hop answers with a token.
 
     The head's own first hop embeds inside its step (one hand-off to the torch thread, no bytes).
+    ``prefix``: every hop first makes the session from that one (an extend step after a reused prefix).
     ``on_hop(hop, total_ms, reply)`` is told each hop's latency and answer.
     """
     reply = HopReply(activation=None if route[0].local else await backend.embed(token_ids))
@@ -212,13 +221,14 @@ async def run_step(
             reply = await backend.local_step(
                 reply.activation, mode=mode, session_id=session_id, past_len=past_len,
                 start_layer=hop.start_layer, hop_index=index, sampling=tail_sampling,
-                token_ids=None if index else token_ids,
+                token_ids=None if index else token_ids, prefix=prefix,
             )
         else:
             headers = wire.forward_headers(
                 reply.activation, mode=mode, session_id=session_id, past_len=past_len,
                 start_layer=hop.start_layer, hop_index=index,
                 sampling=tail_sampling.to_dict() if tail_sampling else None,
+                prefix=prefix.source if prefix else None, take_prefix=bool(prefix and prefix.take),
             )
             reply = await client.step(hop, reply.activation, headers)
         if on_hop is not None:
@@ -236,6 +246,7 @@ async def generate(
     request: GenerationRequest,
     *,
     stats: GenerationStats | None = None,
+    index: PrefixIndex | None = None,
 ) -> AsyncIterator[TokenEvent]:
     """Generate up to ``request.max_tokens`` tokens along ``route``, yielding text as it becomes final.
 
@@ -243,6 +254,12 @@ async def generate(
     ``stats.finish_reason`` is ``"stop"`` or ``"length"`` at the end. When a hop fails, ``router``
     supplies a new route; if none covers every layer within its bound, its ``RouteUnavailable`` ends
     the generation.
+
+    ``request.reuse``: the first step extends a session the route's nodes already hold instead of
+    prefilling the prompt; if any node cannot (409), the whole prompt is prefilled, as cold. ``index``
+    (where the caller registered this generation) is told what the nodes hold after every step; a
+    generation that ends keeps its session on every node as a retained prefix, one that fails or is
+    abandoned frees it.
     """
     if not request.prompt_ids:
         raise BadRequest("the prompt is empty", param="messages")
@@ -255,6 +272,11 @@ async def generate(
     legacy_text = ""  # only for a tail that returns text without token ids
     past_len = 0
     mode: str | None = "prefill" if cached else None
+    reuse = request.reuse if cached else None
+    if reuse is not None:
+        mode, past_len = "decode", reuse.keep  # an extend step: only the prompt's new tokens
+    if index is not None:
+        index.follow(session_id, ids)
     stream = TextStream(backend.decode, request.stop)
     started = time.perf_counter()
     decode_started: float | None = None
@@ -274,16 +296,22 @@ async def generate(
 
     def move_to(new_route: list[Hop]) -> None:
         """Continue on ``new_route``: one prefill of everything so far there, under the same session id."""
-        nonlocal route, cached, mode
+        nonlocal route, cached, mode, reuse, past_len
         kept = {hop.url for hop in new_route}
         for hop in route:
             if hop.url not in kept and not hop.local:
                 client.release(hop.url, session_id)
         route, cached = new_route, all(hop.kv_cache for hop in new_route)
         stats.route = list(route)
-        if mode == "decode":
+        if mode == "decode" and reuse is None:
             stats.reprefills += 1
         mode = "prefill" if cached else None
+        reuse = None  # the prefix lives on the old route's nodes
+        prefilling_afresh()
+
+    def prefilling_afresh() -> None:
+        if index is not None:
+            index.moved(session_id, route)
 
     try:
         while len(generated) < request.max_tokens:
@@ -297,17 +325,28 @@ async def generate(
             try:
                 reply = await run_step(
                     backend, client, route, feed, mode=mode, session_id=session_id,
-                    past_len=past_len, sampling=request.sampling, on_hop=observe,
+                    past_len=past_len, sampling=request.sampling, prefix=reuse, on_hop=observe,
                 )
             except CacheMiss as miss:
                 if mode != "decode":
                     raise UpstreamError(f"a node answered a cache miss to a {mode or 'stateless'} step") from None
                 stats.cache_misses += 1
+                if reuse is not None:  # the prefix could not be used: the whole prompt, as a cold request
+                    if index is not None:
+                        if miss.reason == "not_croppable":
+                            index.cannot_crop(route)
+                        else:
+                            index.forget(reuse.source)
+                    reuse, past_len = None, 0
+                elif miss.reason != "cache_disabled":
+                    stats.reprefills += 1  # one re-prefill of everything so far, same session id
                 if miss.reason == "cache_disabled":
                     cached, mode = False, None  # a node that cannot cache: the rest runs stateless
+                    if index is not None:
+                        index.forget(session_id)
                 else:
-                    stats.reprefills += 1
-                    mode = "prefill"  # one re-prefill of everything so far, same session id
+                    mode = "prefill"
+                    prefilling_afresh()
                 continue
             except HopFailed as failure:
                 stats.failovers += 1
@@ -318,10 +357,16 @@ async def generate(
                 move_to(await router.failover(failed, failure.message, session_id=session_id, position=len(ids),
                                               patient=bool(generated)))
                 continue
-            if mode == "decode":
+            if reuse is not None:  # the prompt's first step extended a held prefix
+                stats.cached_tokens = reuse.keep
+                stats.prompt_computed_tokens += len(feed)
+                stats.prefill_ms = (time.perf_counter() - step_started) * 1000.0
+                reuse = None
+            elif mode == "decode":
                 decode_steps += 1
             if mode == "prefill":
                 stats.prefills += 1
+                stats.prompt_computed_tokens += len(feed)
                 if stats.prefill_ms is None:
                     stats.prefill_ms = (time.perf_counter() - step_started) * 1000.0
             elif mode is None:
@@ -340,6 +385,8 @@ async def generate(
                 generated.append(token_id)
                 stats.token_ids.append(token_id)
                 past_len = len(ids)
+                if index is not None and cached:
+                    index.advance(session_id, past_len)
                 ids.append(token_id)
                 mode = "decode" if cached else None
                 done = token_id in backend.eos_token_ids and not request.ignore_eos
@@ -364,9 +411,21 @@ async def generate(
         if tail:
             yield TokenEvent(-1, tail)
     finally:
-        backend.drop_local_session(session_id)
-        if stats.finish_reason is None:
-            # abandoned (the client left) or failed: free this generation's sessions on every node now
+        if index is not None and cached and stats.finish_reason is not None and index.get(session_id) is not None:
+            # ended: every node keeps the session, as a prefix the next turn (or another client) starts from
+            index.retain(session_id)
             for hop in route:
-                if not hop.local:
-                    client.release(hop.url, session_id)
+                if hop.local:
+                    backend.retain_local_session(session_id)
+                else:
+                    client.retain(hop.url, session_id)
+        else:
+            if index is not None:
+                index.forget(session_id)
+            backend.drop_local_session(session_id)
+            if stats.finish_reason is None:
+                # abandoned (the client left) or failed: free this generation's sessions on every node now
+                for hop in route:
+                    if not hop.local:
+                        client.release(hop.url, session_id)
+

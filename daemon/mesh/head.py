@@ -23,6 +23,7 @@ from daemon.api import GenerationStats, Sampling
 from daemon.errors import BadRequest, Draining, TooManyGenerations
 from daemon.mesh.generation import GenerationRequest, HopClient, HopReply, TokenEvent, generate
 from daemon.mesh.planner import RoutePlanner
+from daemon.mesh.prefix import PrefixIndex, Reuse
 from daemon.mesh.transport import HopTransport
 from daemon.metrics import Metrics
 
@@ -59,6 +60,8 @@ class OwnLayers(Protocol):
 
     def drop_session(self, session_id: str) -> bool: ...
 
+    def retain_session(self, session_id: str) -> bool: ...
+
 
 @dataclass
 class ChatRequest:
@@ -72,6 +75,7 @@ class ChatRequest:
     seed: int | None = None  # None: a random one, reported in the stats
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, golden tests)
+    client: str | None = None  # who asks (the OpenAI "user", else the address): --prefix-reuse client's scope
 
 
 class Generation:
@@ -94,6 +98,7 @@ class HeadSettings:
     max_generations: int = 32  # at once; beyond: 429
     max_tokens_default: int = 256
     max_tokens_cap: int = 4096
+    prefix_reuse: str = "shared"  # shared, client or off (see daemon.mesh.prefix)
 
 
 class Head:
@@ -109,6 +114,7 @@ class Head:
         self.active_generations = 0
         self.generations = 0  # finished or abandoned
         self.tokens_generated = 0
+        self.prefixes = PrefixIndex(policy=settings.prefix_reuse)
         self._hops: HopClient | None = None
         self._stopping = False
 
@@ -153,11 +159,20 @@ class Head:
             route = await self.planner.plan_for_request()
             stats = GenerationStats(session_id=secrets.token_hex(12), prompt_tokens=len(prompt_ids),
                                     sampling=sampling)
-            log.info("generation %s: %d prompt tokens, up to %d new, route %s", stats.session_id, len(prompt_ids),
-                     max_tokens, " -> ".join(f"{h.url}@{h.start_layer}" for h in route))
-            loop_request = GenerationRequest(prompt_ids, max_tokens, sampling, request.stop, request.ignore_eos)
+            reuse: Reuse | None = None
+            index = self.prefixes if all(hop.kv_cache for hop in route) else None
+            if index is not None:
+                reuse = await index.find(prompt_ids, route, request.client)
+                # registered before any await: a request arriving during this prefill can wait for it
+                index.begin(stats.session_id, route, request.client, prompt_ids)
+            log.info("generation %s: %d prompt tokens%s, up to %d new, route %s", stats.session_id, len(prompt_ids),
+                     f" ({reuse.keep} held by session {reuse.source})" if reuse else "", max_tokens,
+                     " -> ".join(f"{h.url}@{h.start_layer}" for h in route))
+            loop_request = GenerationRequest(prompt_ids, max_tokens, sampling, request.stop, request.ignore_eos,
+                                             reuse=reuse)
             backend = _LocalBackend(self.own, tokenizer, wire_dtype=self.settings.wire_dtype)
-            events = generate(backend, self._hop_client(), self.planner, route, loop_request, stats=stats)
+            events = generate(backend, self._hop_client(), self.planner, route, loop_request, stats=stats,
+                              index=index)
             # aclosing: a client that goes away mid-stream still ends the generation and frees its sessions now
             async with contextlib.aclosing(events):
                 try:
@@ -222,12 +237,14 @@ class _LocalBackend:
         return await self._own.embed(token_ids, dtype=self._wire_dtype)
 
     async def local_step(self, activation: wire.Activation | None, *, mode, session_id, past_len, start_layer,
-                         hop_index, sampling: Sampling | None, token_ids: list[int] | None = None) -> HopReply:
+                         hop_index, sampling: Sampling | None, token_ids: list[int] | None = None,
+                         prefix: Reuse | None = None) -> HopReply:
         if token_ids is not None:  # embedded in the step itself: the activation is only its dtype and shape
             activation = wire.Activation(self._wire_dtype, (1, len(token_ids), self.hidden_size), b"")
         request = wire.ForwardRequest(
             activation=activation, mode=mode, session_id=session_id, past_len=past_len,
             start_layer=start_layer, hop_index=hop_index, sampling=sampling.to_dict() if sampling else {},
+            prefix=prefix.source if prefix else None, take_prefix=bool(prefix and prefix.take),
         )
         reply = await self._own.forward(request, token_ids=token_ids)
         return HopReply(activation=reply.activation, token_id=reply.token_id, text=reply.text,
@@ -241,3 +258,6 @@ class _LocalBackend:
 
     def drop_local_session(self, session_id: str) -> None:
         self._own.drop_session(session_id)
+
+    def retain_local_session(self, session_id: str) -> None:
+        self._own.retain_session(session_id)

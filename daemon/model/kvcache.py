@@ -11,8 +11,10 @@ same values (only their buffer is longer), and a step's cost stays flat.
 
 from __future__ import annotations
 
+from copy import deepcopy
+
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 MIN_GROWTH = 256  # positions added when a buffer is full: a copy every 256 steps at most, not every step
 
@@ -73,3 +75,49 @@ def grow_in_place(cache) -> None:
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer and not layer.is_initialized:
             cache.layers[i] = GrowingLayer()
+
+
+def cut_back(cache, keep: int, held: int, copy: bool):
+    """The first ``keep`` of the ``held`` positions of ``cache``: a copy, or ``cache`` itself cropped in place.
+
+    Returns None when a layer cannot be cut back: state that sums every position (linear attention's
+    convolution and recurrent state) or a sliding window that has already let positions go can only
+    continue from exactly what it holds, so for those ``keep`` must equal ``held``. A copy never shares a
+    tensor with ``cache``: linear-attention states and :class:`GrowingLayer` buffers are written in place.
+    """
+    if not 0 < keep <= held:
+        return None
+    if keep == held:
+        return deepcopy(cache) if copy else cache
+    if not all(_croppable(layer) for layer in cache.layers if layer.is_initialized):
+        return None
+    if not copy:
+        cache.crop(keep - held)  # transformers' crop takes the count to remove, negative
+        return cache
+    forked = _shallow(cache)
+    forked.layers = [_prefix_copy(layer, keep) if layer.is_initialized else deepcopy(layer) for layer in cache.layers]
+    return forked
+
+
+def _croppable(layer) -> bool:
+    if type(layer) in (DynamicLayer, GrowingLayer):
+        return True
+    # a window layer that never filled still holds every position it was given
+    return type(layer) is DynamicSlidingWindowLayer and layer.cumulative_length < layer.sliding_window
+
+
+def _shallow(obj):
+    new = obj.__class__.__new__(obj.__class__)
+    new.__dict__.update(obj.__dict__)
+    return new
+
+
+def _prefix_copy(layer, keep: int):
+    new = _shallow(layer)
+    new.keys = layer.keys[..., :keep, :].clone()
+    new.values = layer.values[..., :keep, :].clone()
+    if isinstance(layer, GrowingLayer):  # the copy is exactly full: its next update grows it
+        new._key_buffer, new._value_buffer = new.keys, new.values
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        new.cumulative_length = keep
+    return new

@@ -148,6 +148,8 @@ class ShardService:
             past_len=request.past_len,
             start_layer=request.start_layer,
             sampling=Sampling(**request.sampling),
+            prefix=request.prefix,
+            take_prefix=request.take_prefix,
         )
         seconds = time.perf_counter() - started
         # the reply travels in the dtype the request came in, serialised here rather than on the event loop
@@ -184,11 +186,16 @@ class ShardService:
     # ---- sessions ----------------------------------------------------------------------------
 
     def sessions(self) -> list[SessionInfo]:
-        return [SessionInfo(e.session_id, e.past_len, e.start_layer, e.nbytes, e.created_at, e.last_used, e.expires_at)
+        return [SessionInfo(e.session_id, e.past_len, e.start_layer, e.nbytes, e.created_at, e.last_used, e.expires_at,
+                            retained=e.retained)
                 for e in self.store.entries()]
 
     def drop_session(self, session_id: str) -> bool:
         return self.store.drop(session_id)
+
+    def retain_session(self, session_id: str) -> bool:
+        """Keep a finished generation's session as a prefix later requests can start from."""
+        return self.store.retain(session_id)
 
 
 def _proc_status_bytes(field: str) -> int | None:

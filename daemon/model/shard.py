@@ -414,8 +414,12 @@ class ModelShard:
         past_len: int,
         start_layer: int,
         sampling: Sampling,
+        prefix: str | None = None,
+        take_prefix: bool = False,
     ) -> StepResult:
-        """One /forward step: ``mode`` is ``"prefill"``, ``"decode"`` or ``None`` (stateless)."""
+        """One /forward step: ``mode`` is ``"prefill"``, ``"decode"`` or ``None`` (stateless). A decode step
+        over several positions extends the session; with ``prefix`` the session is first made from the first
+        ``past_len`` positions of that session's cache (copied, or taken over with ``take_prefix``)."""
         if not (self.start <= start_layer < self.end):
             raise BadRequest(
                 f"start layer {start_layer} is outside this node's layers {self.start}-{self.end - 1}",
@@ -427,6 +431,11 @@ class ModelShard:
                 if self._stats_store is not None:
                     self._stats_store.record_miss("cache_disabled")
                 raise CacheMiss("cache_disabled", "this node runs stateless; prefill instead")
+            if prefix is not None:
+                from daemon.model.kvcache import cut_back
+
+                self.sessions.derive(session_id, prefix, keep=past_len, start_layer=start_layer, take=take_prefix,
+                                     cut=cut_back, nbytes=cache_nbytes)
             cache = self.sessions.checkout(session_id, past_len=past_len, start_layer=start_layer).cache
         elif mode == "prefill":
             past_len = 0

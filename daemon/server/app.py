@@ -35,6 +35,7 @@ def create_app(node: NodeBackend, *, token: str | None = None,
     app.router.add_get("/v1/status", status.status)
     app.router.add_get("/v1/sessions", status.sessions)
     app.router.add_delete("/v1/sessions/{session_id}", status.drop_session)
+    app.router.add_post("/v1/sessions/{session_id}/retain", status.retain_session)
     app.router.add_get("/v1/route", status.route)
     app.router.add_post("/v1/peers", status.add_peer)
     app.router.add_delete("/v1/peers", status.remove_peer)

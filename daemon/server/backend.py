@@ -50,6 +50,8 @@ class NodeBackend(Protocol):
 
     def drop_session(self, session_id: str) -> bool: ...
 
+    def retain_session(self, session_id: str) -> bool: ...
+
     def route(self, *, refresh: bool) -> RouteInfo:
         """The head's route, planned afresh when ``refresh`` or when there is none yet."""
 

@@ -106,9 +106,13 @@ def parse_chat_request(body, *, max_tokens_cap: int) -> tuple[ChatRequest, Strea
         raise BadRequest("ignore_eos must be true or false", param="ignore_eos")
     if top_p is not None and top_p <= 0.0:
         raise BadRequest("top_p must be greater than 0", param="top_p")
+    user = body.get("user")
+    if user is not None and not (isinstance(user, str) and 0 < len(user) <= 256):
+        raise BadRequest("user must be a string of 1 to 256 characters", param="user")
     chat = ChatRequest(
         messages, max_tokens=max_tokens, temperature=None if temperature is None else float(temperature),
         top_p=None if top_p is None else float(top_p), top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
+        client=None if user is None else f"user:{user}",
     )
     return chat, StreamOptions(stream, bool(options.get("include_usage")))
 
@@ -118,12 +122,14 @@ def _usage(stats: GenerationStats) -> dict:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
     }
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     head = request.app[NODE].head
     chat, options = parse_chat_request(await read_json(request), max_tokens_cap=head.max_tokens_cap)
+    chat.client = chat.client or f"address:{request.remote}"  # whose prefixes --prefix-reuse client shares
     async with head.generate(chat) as generation:
         if options.stream:
             return await _stream(request, generation, options)

@@ -39,6 +39,14 @@ async def drop_session(request: web.Request) -> web.Response:
     return web.json_response({"dropped": session_id})
 
 
+async def retain_session(request: web.Request) -> web.Response:
+    """A head's generation ended: keep its session here as a prefix a later request can start from."""
+    session_id = request.match_info["session_id"]
+    if not request.app[NODE].retain_session(session_id):
+        raise NotFound(f"no session {session_id!r} on this node", param="session_id")
+    return web.json_response({"retained": session_id})
+
+
 async def route(request: web.Request) -> web.Response:
     info = request.app[NODE].route(refresh=request.query.get("refresh") == "1")
     return web.json_response(info.to_dict())
