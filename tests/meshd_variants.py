@@ -2,6 +2,7 @@
 
     python -m tests.meshd_variants legacy-tail <meshd options>   # a tail from before ADR-0022: text, no token id
     python -m tests.meshd_variants slow-300 <meshd options>      # every /forward step answers 300 ms later
+    python -m tests.meshd_variants no-prefix <meshd options>     # a node from before prefix reuse
 
 The node is meshd's own (``daemon.cli.load_node``, ``node_app``, ``run``); only a middleware is added.
 """
@@ -26,6 +27,22 @@ async def legacy_tail(request: web.Request, handler):
     return response
 
 
+@web.middleware
+async def no_prefix(request: web.Request, handler):
+    """A node from before prefix reuse: it knows neither the prefix headers nor retaining a session."""
+    if request.path.endswith("/retain"):
+        raise web.HTTPNotFound()
+    if request.path == "/forward":
+        from multidict import CIMultiDict
+
+        from daemon import wire
+
+        headers = CIMultiDict((k, v) for k, v in request.headers.items()
+                              if k.lower() not in (wire.PREFIX.lower(), wire.PREFIX_MODE.lower()))
+        request = request.clone(headers=headers)
+    return await handler(request)
+
+
 def slow(milliseconds: int):
     """Answer every step this much later: a slow replica."""
 
@@ -41,9 +58,11 @@ def slow(milliseconds: int):
 def middleware_for(variant: str):
     if variant == "legacy-tail":
         return legacy_tail
+    if variant == "no-prefix":
+        return no_prefix
     if variant.startswith("slow-") and variant[5:].isdigit():
         return slow(int(variant[5:]))
-    raise SystemExit(f"unknown variant {variant!r}: legacy-tail or slow-MS")
+    raise SystemExit(f"unknown variant {variant!r}: legacy-tail, no-prefix or slow-MS")
 
 
 def main(argv: list[str]) -> int:

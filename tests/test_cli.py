@@ -91,6 +91,7 @@ OPTION_CASES = [
     (["--device", "cuda:0"], "device", "cuda:0"),
     (["--quantize", "int8"], "quantize", "int8"),
     (["--wire-dtype", "float16"], "wire_dtype", "float16"),
+    (["--prefix-reuse", "client"], "prefix_reuse", "client"),
     (["--log-level", "warning"], "log_level", "warning"),
     (["--log-level", "DEBUG"], "log_level", "debug"),
     (["--public-url", "http://node:9"], "public_url", "http://node:9"),

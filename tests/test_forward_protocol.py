@@ -569,7 +569,7 @@ def test_store_statistics_count_hits_and_misses(tail):
     assert after["misses"] == before["misses"] + 2
     by_reason = {k: after["misses_by_reason"][k] - before["misses_by_reason"][k] for k in before["misses_by_reason"]}
     assert by_reason == {"unknown_session": 1, "past_len_mismatch": 1, "start_layer_mismatch": 0,
-                         "cache_disabled": 0}
+                         "cache_disabled": 0, "prefix_unavailable": 0, "not_croppable": 0}
     assert after["sessions"] == before["sessions"] - 1  # the mismatched session's cache was dropped
 
 

@@ -374,7 +374,8 @@ def test_one_request_id_follows_a_generation_across_nodes(json_mesh):
     for record in head_lines + tail_lines:
         assert {"time", "level", "logger", "message", "node", "request_id"} <= set(record)
     assert {r["node"] for r in head_lines} == {head.url} and {r["node"] for r in tail_lines} == {tail.url}
-    assert any("prefill" in r["message"] for r in tail_lines)
+    # a prefill, or (a prompt this mesh has seen the start of) an extend from a session it kept
+    assert any("prefill" in r["message"] or "tokens of session" in r["message"] for r in tail_lines)
     # a junk id is not echoed into logs: the node makes its own
     status, headers, _ = request("GET", head.url + "/v1/status", headers={"X-Request-Id": "bad id\twith junk"})
     assert status == 200 and headers["X-Request-Id"] != "bad id\twith junk"

@@ -89,14 +89,23 @@ def cut_back(cache, keep: int, held: int, copy: bool):
         return None
     if keep == held:
         return deepcopy(cache) if copy else cache
-    if not all(_croppable(layer) for layer in cache.layers if layer.is_initialized):
+    if not all(_croppable(layer) for layer in cache.layers if _holds_state(layer)):
         return None
     if not copy:
         cache.crop(keep - held)  # transformers' crop takes the count to remove, negative
         return cache
     forked = _shallow(cache)
-    forked.layers = [_prefix_copy(layer, keep) if layer.is_initialized else deepcopy(layer) for layer in cache.layers]
+    forked.layers = [_prefix_copy(layer, keep) if _holds_state(layer) else deepcopy(layer) for layer in cache.layers]
     return forked
+
+
+def _holds_state(layer) -> bool:
+    """Whether a cache layer holds anything: a shard's cache has a layer for every layer of the model."""
+    if hasattr(layer, "is_initialized"):
+        return layer.is_initialized
+    # linear attention (transformers' LinearAttentionCacheLayerMixin) says so per state
+    return any(getattr(layer, "is_conv_states_initialized", {0: True}).values()) or \
+        any(getattr(layer, "is_recurrent_states_initialized", {}).values())
 
 
 def _croppable(layer) -> bool:

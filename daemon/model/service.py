@@ -115,6 +115,10 @@ class ShardService:
         if request.mode == "prefill":  # once per generation (and re-prefill) per node: never per token
             log.info("session %s: prefill of %d tokens from layer %d", request.session_id,
                      request.activation.shape[1], request.start_layer)
+        elif request.prefix is not None:  # a prompt starting from a held prefix: once per generation too
+            log.info("session %s: %s %d tokens of session %s, then %d new, from layer %d", request.session_id,
+                     "takes" if request.take_prefix else "copies", request.past_len, request.prefix,
+                     request.activation.shape[1], request.start_layer)
         self.active_steps += 1
         try:
             result, out, seconds = await self.run(self._step, request, token_ids)
