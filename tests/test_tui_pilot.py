@@ -103,6 +103,27 @@ async def test_prompt_streams_an_answer_and_keeps_the_conversation(daemons):
         ]
 
 
+async def test_the_chat_footer_says_how_much_of_the_prompt_the_mesh_reused(daemons):
+    head = await daemons(0, 30)  # keeps each finished answer as a prefix, as the real head does
+    app = MeshApp(ConsoleConfig(), head_url=head.url, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await app.main.mount_views()
+        status = app.main.chat_view.query_one("#chat-status", Static)
+        assert "reused" not in text_of(status)  # no answer yet
+        await ask(pilot, "hi")
+        # "hi" is 5 tokens to the fake head, and nothing was held before it
+        await wait_until(pilot, lambda: text_of(status).startswith("reused 0 of 5 prompt tokens · temperature 0 "),
+                         "the first answer's footer")
+
+        await ask(pilot, "more")
+        # the first turn and its answer (13 tokens) were held; only "more" was computed
+        await wait_until(pilot, lambda: text_of(status).startswith("reused 13 of 18 prompt tokens · temperature 0 "),
+                         "the second answer's footer")
+        second = app.state.generations[-1]
+        assert (second.usage.cached_tokens, second.stats.cached_tokens) == (13, 13)
+        assert "seed random" in text_of(status)  # the sampling settings stay in the footer
+
+
 async def test_escape_cancels_a_streaming_answer(daemons):
     head = await daemons(0, 30, answer=[f" t{i}" for i in range(10)], hold_after=3)
     app = MeshApp(ConsoleConfig(), head_url=head.url, poll=False, clock=FrozenClock())

@@ -163,6 +163,11 @@ class StartingMesh:
 # ---- a fake node behind meshd's real application ------------------------------------------------
 
 
+def chat_tokens(messages: list[dict]) -> int:
+    """What a chat's messages cost in tokens, as the fake head counts them: one a word, four more a message."""
+    return sum(4 + len(m["content"].split()) for m in messages)
+
+
 class ScriptedHead:
     """A head whose every generation streams the same scripted answer (``daemon.server.backend.ChatHead``).
 
@@ -170,6 +175,9 @@ class ScriptedHead:
     ``pace(i)``, if given, is awaited once ``i`` tokens went out, before the next chunk; ``clock`` and ``steps``
     move a frozen clock before each chunk of the stream (the opening one, every token, the closing one), cycling
     through ``steps``.
+
+    Like the real head it keeps a finished answer's conversation on the nodes (a retained prefix): a prompt
+    that starts with it reports those tokens as cached. Tokens are counted by :func:`chat_tokens`.
     """
 
     model_name = MODEL.name
@@ -187,16 +195,21 @@ class ScriptedHead:
         self.release = asyncio.Event()
         self.client_left = asyncio.Event()  # a held stream noticed the console closing it
         self.requests: list[ChatRequest] = []
+        self.retained: list[dict] = []  # the messages and answer of the last answer that finished
 
     @contextlib.asynccontextmanager
     async def generate(self, request: ChatRequest) -> AsyncIterator[Generation]:
         self.requests.append(request)
-        stats = GenerationStats(session_id="5d1e0c9a7b3f2e4d6c8a0b1c", prompt_tokens=31)
-        events = self._events(stats)
+        prompt = chat_tokens(request.messages)
+        held = self.retained and request.messages[:len(self.retained)] == self.retained
+        cached = chat_tokens(self.retained) if held else 0
+        stats = GenerationStats(session_id="5d1e0c9a7b3f2e4d6c8a0b1c", prompt_tokens=prompt, cached_tokens=cached,
+                                prompt_computed_tokens=prompt - cached)
+        events = self._events(request, stats)
         async with contextlib.aclosing(events):
             yield Generation(stats, events, model=self.model_name)
 
-    async def _events(self, stats: GenerationStats) -> AsyncIterator[TokenEvent]:
+    async def _events(self, request: ChatRequest, stats: GenerationStats) -> AsyncIterator[TokenEvent]:
         self._tick(0)  # the opening chunk
         try:
             for i, text in enumerate(self.answer):
@@ -211,6 +224,7 @@ class ScriptedHead:
             setattr(stats, name, value)
         stats.decode_seconds = max(stats.completion_tokens - 1, 0) / self.rate
         stats.finish_reason = stats.finish_reason or "stop"
+        self.retained = [*request.messages, {"role": "assistant", "content": "".join(self.answer)}]
 
     async def _next_chunk(self, tokens_sent: int) -> None:
         """Hold (if asked to here), wait for the console's pace, then move the clock for the next chunk."""
