@@ -237,6 +237,25 @@ async def test_ttl_countdown_ticks_on_the_local_clock():
         assert str(table.get_cell(key, "ttl")) == "expiring"
 
 
+async def test_sessions_tell_retained_prefixes_from_live_sessions():
+    clock = FrozenClock()
+    app = MeshApp(ConsoleConfig(), head_url=HEAD, poll=False, clock=clock)
+    live, prefix = (f"{HEAD} {s.session_id}" for s in HEAD_SESSIONS)
+    async with app.run_test(size=SIZE) as pilot:
+        await app.main.mount_views()
+        app.post_message(NodePolled(HEAD, node_status(HEAD, 0, 30), session_list(HEAD_SESSIONS)))
+        await pilot.pause()
+        view = app.main.sessions_view
+        table = view.query_one("#sessions", KeyedTable)
+        assert [str(table.get_cell(live, c)) for c in ("kind", "past", "ttl")] == ["live", "48", "9m 57s"]
+        assert [str(table.get_cell(prefix, c)) for c in ("kind", "past", "ttl")] == ["prefix", "212", "55s"]
+        assert view.live.border_subtitle == "1 live · 1 prefix"
+        clock.advance(5)  # a prefix expires like any session: its countdown ticks too
+        app.tick()
+        await pilot.pause()
+        assert str(table.get_cell(prefix, "ttl")) == "50s"
+
+
 async def test_a_node_that_stops_answering_shows_down_and_comes_back(daemons):
     worker = await daemons(15, 30)
     head = await daemons(0, 15, peers=[worker.url])  # the console learns of the worker from the head

@@ -81,10 +81,10 @@ def node_status(url: str, start: int, end: int, *, peers: list[str] = (), time: 
 
 
 def session(session_id: str, past_len: int, start_layer: int, *, idle: float, ttl_left: float,
-            layers: int = 15, time: float = NOW) -> SessionInfo:
+            layers: int = 15, time: float = NOW, retained: bool = False) -> SessionInfo:
     last_used = time - idle
     return SessionInfo(session_id, past_len, start_layer, past_len * 1536 * layers, last_used - 30, last_used,
-                       time + ttl_left)
+                       time + ttl_left, retained=retained)
 
 
 def session_list(sessions: list[SessionInfo], *, time: float = NOW, hits: int = 0, misses: int = 0,
@@ -134,7 +134,7 @@ def failover_route() -> RouteInfo:
 
 HEAD_SESSIONS = [
     session("5d1e0c9a7b3f2e4d6c8a0b1c", 48, 0, idle=3, ttl_left=597),
-    session("a04f7e2d9c1b3a5e7f9d0c2b", 212, 0, idle=545, ttl_left=55),
+    session("a04f7e2d9c1b3a5e7f9d0c2b", 212, 0, idle=545, ttl_left=55, retained=True),  # an earlier answer's prefix
 ]
 WORKER_SESSIONS = [
     session("5d1e0c9a7b3f2e4d6c8a0b1c", 48, 15, idle=3, ttl_left=597),
