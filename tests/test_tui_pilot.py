@@ -414,12 +414,30 @@ async def test_the_console_against_a_real_two_node_mesh(default_model, tmp_path)
                              "the answer", timeout=120)
             answer = app.state.generations[-1]
             assert answer.outcome == "done" and answer.text and answer.stats.completion_tokens > 0
+            prompt_tokens = answer.stats.prompt_tokens
+            assert answer.prompt_reuse == (0, prompt_tokens)  # a first turn: nothing held to reuse
+            footer = f"reused 0 of {prompt_tokens} prompt tokens"  # shown once the answer's view has finished
+            await wait_until(pilot, lambda: footer in text_of(app.main.chat_view.status), "the chat footer")
 
-            # the head drops its session when an answer ends; the worker keeps it until its TTL
-            session_id = answer.stats.session_id
+            # every node keeps an answer's session as a retained prefix until its TTL
             table = app.main.sessions_view.sessions
-            key = f"{worker.url} {session_id}"
+            key = f"{worker.url} {answer.stats.session_id}"
             await wait_until(pilot, lambda: key in [row.value for row in table.rows], "the worker's session")
+            assert str(table.get_cell(key, "kind")) == "prefix"
+
+            # the next turn starts with the first and its answer: the nodes reuse what they kept of it
+            await pilot.press(*"And in French?", "enter")
+            await wait_until(pilot, lambda: len(app.state.generations) == 2 and app.state.generations[-1].finished,
+                             "the second answer", timeout=120)
+            second = app.state.generations[-1]
+            cached, prompt_tokens = second.prompt_reuse
+            assert second.outcome == "done" and 0 < cached < prompt_tokens
+            footer = f"reused {cached} of {prompt_tokens} prompt tokens"
+            await wait_until(pilot, lambda: footer in text_of(app.main.chat_view.status), "the second footer")
+
+            session_id = second.stats.session_id
+            key = f"{worker.url} {session_id}"
+            await wait_until(pilot, lambda: key in [row.value for row in table.rows], "the second answer's session")
             await pilot.press("escape", "2")
             table.move_cursor(row=table.get_row_index(key))
             await pilot.press("e", "y")
