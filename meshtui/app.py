@@ -261,6 +261,8 @@ class MeshApp(App[None]):
             record.add_text(message.chunk.text, message.arrived_at)
         if message.chunk.stats:
             record.stats = message.chunk.stats
+        if message.chunk.usage:
+            record.usage = message.chunk.usage
         await self.main.chat_view.append(record, message.chunk.text)
         self.main.throughput_view.show_generation(record)
 

@@ -37,6 +37,21 @@ class DaemonError(Exception):
         self.status = status
 
 
+@dataclass(frozen=True)
+class Usage:
+    """The OpenAI ``usage`` block of a chat answer: its tokens, and how many of the prompt's the mesh reused."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # ``prompt_tokens_details.cached_tokens``: held by the nodes from an earlier answer
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Usage:
+        details = data.get("prompt_tokens_details") or {}  # absent or null from servers that reuse nothing
+        return cls(prompt_tokens=data.get("prompt_tokens") or 0, completion_tokens=data.get("completion_tokens") or 0,
+                   cached_tokens=details.get("cached_tokens") or 0)
+
+
 @dataclass
 class ChatChunk:
     """One event of a streamed chat answer."""
@@ -44,7 +59,7 @@ class ChatChunk:
     text: str = ""
     finish_reason: str | None = None
     stats: GenerationStats | None = None  # the daemon's ``meshnet`` block, on the last chunk
-    usage: dict | None = None
+    usage: Usage | None = None  # on the event after it, asked for with ``stream_options.include_usage``
 
 
 class DaemonClient:
@@ -127,15 +142,17 @@ class DaemonClient:
 
 
 def _chunk(event: dict) -> ChatChunk:
+    usage = event.get("usage")
+    usage = Usage.from_dict(usage) if isinstance(usage, dict) else None
     if not event.get("choices"):
-        return ChatChunk(usage=event.get("usage"))
+        return ChatChunk(usage=usage)
     choice = event["choices"][0]
     stats = event.get("meshnet")
     return ChatChunk(
         text=choice.get("delta", {}).get("content") or "",
         finish_reason=choice.get("finish_reason"),
         stats=GenerationStats.from_dict(stats) if isinstance(stats, dict) else None,
-        usage=event.get("usage"),
+        usage=usage,
     )
 
 

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from daemon.api import GenerationStats, ModelSummary, NodeStatus, RouteEvent, RouteInfo, SessionInfo, SessionList
+from meshtui.client import Usage
 
 GRAPH_POINTS = 60  # samples kept for each tokens/s graph
 LOADING_LINES = 4  # start-up lines kept per local node
@@ -105,6 +106,7 @@ class GenerationRecord:
     text: str = ""
     chunk_times: list[float] = field(default_factory=list)  # local arrival time of each chunk with text
     stats: GenerationStats | None = None  # the daemon's ``meshnet`` block, once the last chunk came
+    usage: Usage | None = None  # the OpenAI usage block, on the stream's last event
     outcome: str = "streaming"  # streaming | done | cancelled | failed
     error: str | None = None
 
@@ -115,6 +117,17 @@ class GenerationRecord:
     @property
     def tokens(self) -> int:
         return (self.stats and self.stats.completion_tokens) or len(self.chunk_times)
+
+    @property
+    def prompt_reuse(self) -> tuple[int, int] | None:
+        """``(cached, prompt)`` tokens: how many of the prompt's tokens the nodes held from an earlier answer.
+
+        From the OpenAI usage block, else the ``meshnet`` one; None until either came."""
+        if self.usage is not None:
+            return self.usage.cached_tokens, self.usage.prompt_tokens
+        if self.stats is not None:
+            return self.stats.cached_tokens, self.stats.prompt_tokens
+        return None
 
     def add_text(self, text: str, at: float) -> None:
         self.text += text

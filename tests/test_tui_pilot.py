@@ -103,6 +103,27 @@ async def test_prompt_streams_an_answer_and_keeps_the_conversation(daemons):
         ]
 
 
+async def test_the_chat_footer_says_how_much_of_the_prompt_the_mesh_reused(daemons):
+    head = await daemons(0, 30)  # keeps each finished answer as a prefix, as the real head does
+    app = MeshApp(ConsoleConfig(), head_url=head.url, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await app.main.mount_views()
+        status = app.main.chat_view.query_one("#chat-status", Static)
+        assert "reused" not in text_of(status)  # no answer yet
+        await ask(pilot, "hi")
+        # "hi" is 5 tokens to the fake head, and nothing was held before it
+        await wait_until(pilot, lambda: text_of(status).startswith("reused 0 of 5 prompt tokens · temperature 0 "),
+                         "the first answer's footer")
+
+        await ask(pilot, "more")
+        # the first turn and its answer (13 tokens) were held; only "more" was computed
+        await wait_until(pilot, lambda: text_of(status).startswith("reused 13 of 18 prompt tokens · temperature 0 "),
+                         "the second answer's footer")
+        second = app.state.generations[-1]
+        assert (second.usage.cached_tokens, second.stats.cached_tokens) == (13, 13)
+        assert "seed random" in text_of(status)  # the sampling settings stay in the footer
+
+
 async def test_escape_cancels_a_streaming_answer(daemons):
     head = await daemons(0, 30, answer=[f" t{i}" for i in range(10)], hold_after=3)
     app = MeshApp(ConsoleConfig(), head_url=head.url, poll=False, clock=FrozenClock())
@@ -214,6 +235,25 @@ async def test_ttl_countdown_ticks_on_the_local_clock():
         app.tick()
         await pilot.pause()
         assert str(table.get_cell(key, "ttl")) == "expiring"
+
+
+async def test_sessions_tell_retained_prefixes_from_live_sessions():
+    clock = FrozenClock()
+    app = MeshApp(ConsoleConfig(), head_url=HEAD, poll=False, clock=clock)
+    live, prefix = (f"{HEAD} {s.session_id}" for s in HEAD_SESSIONS)
+    async with app.run_test(size=SIZE) as pilot:
+        await app.main.mount_views()
+        app.post_message(NodePolled(HEAD, node_status(HEAD, 0, 30), session_list(HEAD_SESSIONS)))
+        await pilot.pause()
+        view = app.main.sessions_view
+        table = view.query_one("#sessions", KeyedTable)
+        assert [str(table.get_cell(live, c)) for c in ("kind", "past", "ttl")] == ["live", "48", "9m 57s"]
+        assert [str(table.get_cell(prefix, c)) for c in ("kind", "past", "ttl")] == ["prefix", "212", "55s"]
+        assert view.live.border_subtitle == "1 live · 1 prefix"
+        clock.advance(5)  # a prefix expires like any session: its countdown ticks too
+        app.tick()
+        await pilot.pause()
+        assert str(table.get_cell(prefix, "ttl")) == "50s"
 
 
 async def test_a_node_that_stops_answering_shows_down_and_comes_back(daemons):
@@ -374,12 +414,30 @@ async def test_the_console_against_a_real_two_node_mesh(default_model, tmp_path)
                              "the answer", timeout=120)
             answer = app.state.generations[-1]
             assert answer.outcome == "done" and answer.text and answer.stats.completion_tokens > 0
+            prompt_tokens = answer.stats.prompt_tokens
+            assert answer.prompt_reuse == (0, prompt_tokens)  # a first turn: nothing held to reuse
+            footer = f"reused 0 of {prompt_tokens} prompt tokens"  # shown once the answer's view has finished
+            await wait_until(pilot, lambda: footer in text_of(app.main.chat_view.status), "the chat footer")
 
-            # the head drops its session when an answer ends; the worker keeps it until its TTL
-            session_id = answer.stats.session_id
+            # every node keeps an answer's session as a retained prefix until its TTL
             table = app.main.sessions_view.sessions
-            key = f"{worker.url} {session_id}"
+            key = f"{worker.url} {answer.stats.session_id}"
             await wait_until(pilot, lambda: key in [row.value for row in table.rows], "the worker's session")
+            assert str(table.get_cell(key, "kind")) == "prefix"
+
+            # the next turn starts with the first and its answer: the nodes reuse what they kept of it
+            await pilot.press(*"And in French?", "enter")
+            await wait_until(pilot, lambda: len(app.state.generations) == 2 and app.state.generations[-1].finished,
+                             "the second answer", timeout=120)
+            second = app.state.generations[-1]
+            cached, prompt_tokens = second.prompt_reuse
+            assert second.outcome == "done" and 0 < cached < prompt_tokens
+            footer = f"reused {cached} of {prompt_tokens} prompt tokens"
+            await wait_until(pilot, lambda: footer in text_of(app.main.chat_view.status), "the second footer")
+
+            session_id = second.stats.session_id
+            key = f"{worker.url} {session_id}"
+            await wait_until(pilot, lambda: key in [row.value for row in table.rows], "the second answer's session")
             await pilot.press("escape", "2")
             table.move_cursor(row=table.get_row_index(key))
             await pilot.press("e", "y")

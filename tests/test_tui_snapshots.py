@@ -118,6 +118,11 @@ async def settle(pilot: Pilot, until=lambda: True) -> None:
     await pilot.pause()
 
 
+def answered(app: MeshApp, count: int):
+    """A condition for :func:`settle`: ``count`` answers asked for, and the last one finished."""
+    return lambda: len(app.state.generations) == count and app.state.generations[-1].finished
+
+
 def post_healthy_mesh(app: MeshApp) -> None:
     app.post_message(NodePolled(HEAD, node_status(HEAD, 0, 15, peers=[WORKER], steps_served=1204, sessions=2),
                                 session_list(HEAD_SESSIONS, hits=96, misses=1)))
@@ -332,6 +337,23 @@ def test_chat_answered(snap_compare):
         await settle(pilot, until=lambda: bool(app.state.generations) and app.state.generations[-1].finished)
 
     with answering(app, clock, "Layers **0-14** run here; **15-29** on the worker.", stats=FINAL_STATS):
+        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_chat_follow_up_reuses_the_prefix(snap_compare):
+    """The second turn starts with the first and its answer, which the nodes kept: the footer says so."""
+    clock = FrozenClock()
+    app = console(clock)
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        await pilot.press("4")
+        for turn, prompt in enumerate(["Where do the layers run?", "And the KV cache?"], start=1):
+            await pilot.press(*prompt, "enter")
+            await settle(pilot, until=answered(app, turn))
+            head.head.answer = answer_tokens("Each node keeps the keys and values of its own layers.")
+
+    with answering(app, clock, "Layers **0-14** run here; **15-29** on the worker.") as head:
         assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 

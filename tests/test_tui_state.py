@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from daemon.api import GenerationStats, RouteInfo
+from meshtui.client import Usage
 from meshtui.state import GenerationRecord, MeshState, NodeState, layer_coverage, layer_runs, short_reason
 from tests.tui_data import HEAD, NOW, REPLICA, WORKER, failover_route, node_status, session, session_list
 
@@ -143,6 +144,19 @@ def test_answer_rates_and_the_conversation():
         {"role": "assistant", "content": "half an"},
         {"role": "user", "content": "third"},
     ]
+
+
+def test_prompt_reuse_comes_from_the_usage_block_else_the_meshnet_one():
+    record = GenerationRecord(number=1, prompt="hi", started_at=NOW)
+    assert record.prompt_reuse is None
+    record.stats = GenerationStats(prompt_tokens=57, cached_tokens=35)
+    assert record.prompt_reuse == (35, 57)
+    # both come from the same count on a meshd head; the OpenAI block is the one any server sends
+    record.usage = Usage.from_dict({"prompt_tokens": 57, "completion_tokens": 9,
+                                    "prompt_tokens_details": {"cached_tokens": 36}})
+    assert record.prompt_reuse == (36, 57)
+    # a server that reuses nothing may leave the details out, or send null
+    assert Usage.from_dict({"prompt_tokens": 12, "prompt_tokens_details": None}) == Usage(prompt_tokens=12)
 
 
 def test_state_client_and_config_know_nothing_of_textual():

@@ -81,10 +81,10 @@ def node_status(url: str, start: int, end: int, *, peers: list[str] = (), time: 
 
 
 def session(session_id: str, past_len: int, start_layer: int, *, idle: float, ttl_left: float,
-            layers: int = 15, time: float = NOW) -> SessionInfo:
+            layers: int = 15, time: float = NOW, retained: bool = False) -> SessionInfo:
     last_used = time - idle
     return SessionInfo(session_id, past_len, start_layer, past_len * 1536 * layers, last_used - 30, last_used,
-                       time + ttl_left)
+                       time + ttl_left, retained=retained)
 
 
 def session_list(sessions: list[SessionInfo], *, time: float = NOW, hits: int = 0, misses: int = 0,
@@ -134,7 +134,7 @@ def failover_route() -> RouteInfo:
 
 HEAD_SESSIONS = [
     session("5d1e0c9a7b3f2e4d6c8a0b1c", 48, 0, idle=3, ttl_left=597),
-    session("a04f7e2d9c1b3a5e7f9d0c2b", 212, 0, idle=545, ttl_left=55),
+    session("a04f7e2d9c1b3a5e7f9d0c2b", 212, 0, idle=545, ttl_left=55, retained=True),  # an earlier answer's prefix
 ]
 WORKER_SESSIONS = [
     session("5d1e0c9a7b3f2e4d6c8a0b1c", 48, 15, idle=3, ttl_left=597),
@@ -163,6 +163,11 @@ class StartingMesh:
 # ---- a fake node behind meshd's real application ------------------------------------------------
 
 
+def chat_tokens(messages: list[dict]) -> int:
+    """What a chat's messages cost in tokens, as the fake head counts them: one a word, four more a message."""
+    return sum(4 + len(m["content"].split()) for m in messages)
+
+
 class ScriptedHead:
     """A head whose every generation streams the same scripted answer (``daemon.server.backend.ChatHead``).
 
@@ -170,6 +175,9 @@ class ScriptedHead:
     ``pace(i)``, if given, is awaited once ``i`` tokens went out, before the next chunk; ``clock`` and ``steps``
     move a frozen clock before each chunk of the stream (the opening one, every token, the closing one), cycling
     through ``steps``.
+
+    Like the real head it keeps a finished answer's conversation on the nodes (a retained prefix): a prompt
+    that starts with it reports those tokens as cached. Tokens are counted by :func:`chat_tokens`.
     """
 
     model_name = MODEL.name
@@ -187,16 +195,21 @@ class ScriptedHead:
         self.release = asyncio.Event()
         self.client_left = asyncio.Event()  # a held stream noticed the console closing it
         self.requests: list[ChatRequest] = []
+        self.retained: list[dict] = []  # the messages and answer of the last answer that finished
 
     @contextlib.asynccontextmanager
     async def generate(self, request: ChatRequest) -> AsyncIterator[Generation]:
         self.requests.append(request)
-        stats = GenerationStats(session_id="5d1e0c9a7b3f2e4d6c8a0b1c", prompt_tokens=31)
-        events = self._events(stats)
+        prompt = chat_tokens(request.messages)
+        held = self.retained and request.messages[:len(self.retained)] == self.retained
+        cached = chat_tokens(self.retained) if held else 0
+        stats = GenerationStats(session_id="5d1e0c9a7b3f2e4d6c8a0b1c", prompt_tokens=prompt, cached_tokens=cached,
+                                prompt_computed_tokens=prompt - cached)
+        events = self._events(request, stats)
         async with contextlib.aclosing(events):
             yield Generation(stats, events, model=self.model_name)
 
-    async def _events(self, stats: GenerationStats) -> AsyncIterator[TokenEvent]:
+    async def _events(self, request: ChatRequest, stats: GenerationStats) -> AsyncIterator[TokenEvent]:
         self._tick(0)  # the opening chunk
         try:
             for i, text in enumerate(self.answer):
@@ -211,6 +224,7 @@ class ScriptedHead:
             setattr(stats, name, value)
         stats.decode_seconds = max(stats.completion_tokens - 1, 0) / self.rate
         stats.finish_reason = stats.finish_reason or "stop"
+        self.retained = [*request.messages, {"role": "assistant", "content": "".join(self.answer)}]
 
     async def _next_chunk(self, tokens_sent: int) -> None:
         """Hold (if asked to here), wait for the console's pace, then move the clock for the next chunk."""

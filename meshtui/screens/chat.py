@@ -36,6 +36,7 @@ class ChatView(Vertical):
         self.prompt = Input(placeholder="Ask the mesh…  (Enter sends)", id="prompt")
         self._answers: dict[int, Answer] = {}
         self._streaming: GenerationRecord | None = None
+        self._last: GenerationRecord | None = None  # the latest answer that ended, however it ended
 
     def compose(self) -> ComposeResult:
         with self.conversation:
@@ -86,6 +87,7 @@ class ChatView(Vertical):
             await answer.finish(record)
         if self._streaming is record:
             self._streaming = None
+        self._last = record
         self._show_status()
 
     def show_settings(self, settings: ChatSettings) -> None:
@@ -99,11 +101,22 @@ class ChatView(Vertical):
             status.append(f"answering #{record.number}", style="bold cyan")
             status.append(f" · {plural(len(record.chunk_times), 'token')} · {format_rate(record.tokens_per_second)}")
         else:
+            self._show_reuse(status)
             s = self.settings
             seed = "random" if s.seed is None else str(s.seed)
             status.append(f"temperature {s.temperature:g} · top_p {s.top_p:g} · top_k {s.top_k} · "
                           f"max {s.max_tokens} tokens · seed {seed}", style="dim")
         self.status.update(status)
+
+    def _show_reuse(self, status: Text) -> None:
+        """How much of the last answer's prompt the nodes still held from the turns before (their KV, reused)."""
+        last = self._last
+        reuse = last.prompt_reuse if last is not None and last.outcome == "done" else None
+        if reuse is None:
+            return
+        cached, prompt = reuse
+        status.append(f"reused {cached} of {plural(prompt, 'prompt token')}", style="green" if cached else "")
+        status.append(" · ", style="dim")
 
     def action_cancel(self) -> None:
         if self.streaming:

@@ -1,4 +1,4 @@
-"""The Sessions view: every node's live KV sessions with TTL countdowns, and its store totals."""
+"""The Sessions view: every node's KV sessions (live, or kept as a prefix) with TTL countdowns, and its store totals."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from daemon.api import SessionInfo
 from meshtui.messages import EvictConfirmed
 from meshtui.screens.modals import ConfirmScreen
 from meshtui.state import MeshState, NodeState
-from meshtui.widgets.formatting import format_bytes, format_duration, short_url
+from meshtui.widgets.formatting import format_bytes, format_duration, plural, short_url
 from meshtui.widgets.keyed_table import KeyedTable
 from meshtui.widgets.section import Section
 
 STORE_COLUMNS = [("node", "node"), ("sessions", "sessions"), ("bytes", "bytes"), ("ttl", "ttl"),
                  ("hits", "hits"), ("misses", "misses"), ("evictions", "evictions")]
-SESSION_COLUMNS = [("node", "node"), ("session", "session"), ("past", "past len"), ("start", "from layer"),
-                   ("bytes", "bytes"), ("used", "last use"), ("ttl", "expires in")]
+SESSION_COLUMNS = [("node", "node"), ("session", "session"), ("kind", "kind"), ("past", "tokens"),
+                   ("start", "from layer"), ("bytes", "bytes"), ("used", "last use"), ("ttl", "expires in")]
 SHOWN_ID = 14  # session ids are 24 hex digits; the first 14 tell them apart on screen
 SOON = 60.0  # seconds: a countdown below this turns yellow
 
@@ -33,9 +33,9 @@ class SessionsView(Vertical):
         super().__init__(id=id)
         self.state = state
         self.stores = KeyedTable(STORE_COLUMNS, id="stores")
-        self.live = Section("live KV sessions", id="sessions-box")
+        self.live = Section("KV sessions", id="sessions-box")
         self.sessions = KeyedTable(SESSION_COLUMNS, id="sessions")
-        self.no_sessions = Static("no live sessions", id="no-sessions")
+        self.no_sessions = Static("no sessions", id="no-sessions")
 
     def compose(self) -> ComposeResult:
         with Section("session stores", id="stores-box"):
@@ -46,19 +46,24 @@ class SessionsView(Vertical):
 
     def show_sessions(self, now: float) -> None:
         rows = {}
+        prefixes = 0
         for node in self.state.nodes.values():
             for session in node.live_sessions:
                 rows[f"{node.url} {session.session_id}"] = self._session_row(node, session, now)
+                prefixes += session.retained
         self.sessions.show(rows)
         self.no_sessions.display = not rows
-        self.live.border_subtitle = f"{len(rows)} live" if rows else ""
+        counts = [f"{len(rows) - prefixes} live"] + ([plural(prefixes, "prefix", "prefixes")] if prefixes else [])
+        self.live.border_subtitle = " · ".join(counts) if rows else ""
         self.stores.show({node.url: self._store_row(node) for node in self.state.nodes.values()})
 
     def _session_row(self, node: NodeState, session: SessionInfo, now: float) -> list:
         shown_id = session.session_id if len(session.session_id) <= SHOWN_ID else session.session_id[:SHOWN_ID] + "…"
         left = node.ttl_left(session, now)
         ttl_style = "bold red" if left <= 0 else "yellow" if left < SOON else ""
-        return [short_url(node.url), shown_id, str(session.past_len), str(session.start_layer),
+        # a retained prefix: a finished answer's KV, kept so the next turn that starts with it skips its prefill
+        kind = Text("prefix", style="cyan") if session.retained else Text("live")
+        return [short_url(node.url), shown_id, kind, str(session.past_len), str(session.start_layer),
                 format_bytes(session.bytes), f"{format_duration(node.idle_for(session, now))} ago",
                 Text("expiring" if left <= 0 else format_duration(left), style=ttl_style)]
 
