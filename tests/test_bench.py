@@ -14,6 +14,16 @@ import sys
 import pytest
 
 from daemon.bench import check_targets, mesh_row, window_tps
+from daemon.bench.reuse import (
+    QUESTIONS,
+    USER_TURNS,
+    client_messages,
+    counter_value,
+    group_row,
+    ratio,
+    shared_and_own,
+    turn_row,
+)
 
 
 @pytest.mark.slow
@@ -80,6 +90,54 @@ def test_a_short_run_measures_one_mesh_against_generate_in_each_precision(tiny_m
     assert "loopback floor" in proc.stdout
 
 
+@pytest.mark.slow
+def test_a_short_run_measures_prompt_reuse_warm_against_cold(tiny_model, tmp_path):
+    """The multiturn and shared-prefix setups on a tiny model: what each turn and each group of clients reused
+    and computed, warm next to cold on the same mesh, with the same tokens (float32, greedy)."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "bench", "--model", str(tiny_model("llama")), "--setups", "multiturn",
+         "shared-prefix", "--precisions", "float32", "--turn-tokens", "4", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"turn {len(USER_TURNS)}/{len(USER_TURNS)}" in proc.stderr and "8 clients at once, warm" in proc.stderr
+    result = json.loads(out.read_text())
+    assert result["rows"] == [] and result["turn_tokens"] == 4
+
+    turns = result["multiturn"]
+    assert [t["turn"] for t in turns] == list(range(1, len(USER_TURNS) + 1))
+    assert all(a["prompt_tokens"] < b["prompt_tokens"] for a, b in zip(turns, turns[1:]))  # the history grows
+    assert turns[0]["cached_tokens"] == 0  # nothing of this chat on the mesh yet
+    for t in turns:
+        assert t["precision"] == "float32" and 0 <= t["load"] < 1000
+        assert t["cold_cached_tokens"] == 0 and t["cold_computed_tokens"] == t["prompt_tokens"]  # cold: all of it
+        assert t["cached_tokens"] + t["computed_tokens"] == t["prompt_tokens"] and t["reprefills"] == 0
+        assert t["ttft_warm_ms"] > 0 and t["ttft_cold_ms"] > 0 and t["ttft_ratio"] > 0
+        assert t["tokens_match"] is True and len(t["token_ids"]) == 4
+    for t in turns[1:]:
+        # the chat so far is held: only the last answer's token, the template and the new question are computed
+        assert t["cached_tokens"] > t["prompt_tokens"] - 64 and t["computed_tokens"] >= 1
+
+    cold, warm = result["shared_prefix"]
+    assert (cold["reuse"], warm["reuse"]) == (False, True)
+    for group in (cold, warm):
+        assert group["clients"] == 8 and group["tokens_match"] is True and group["reprefills"] == 0
+        assert group["prompt_tokens"] == 8 * group["shared_tokens"] + group["own_tokens"]
+        assert group["ideal_tokens"] == group["shared_tokens"] + group["own_tokens"]
+        assert group["metrics_computed_tokens"] == group["computed_tokens"]  # the head's /metrics agrees
+        assert group["wall_s"] > 0 and group["mean_ttft_ms"] > 0 and len(group["token_ids"]) == 8
+    assert group["shared_tokens"] > 400 and all(len(ids) == 4 for ids in warm["token_ids"])
+    assert cold["computed_tokens"] == cold["prompt_tokens"] and cold["cached_tokens"] == 0
+    # the system prompt computed once: its 7 other clients each forked it from the first
+    assert warm["computed_ratio"] <= 1.3 and warm["cached_tokens"] >= 7 * warm["shared_tokens"] - 7
+
+    targets = {c["target"] for c in result["targets"]}
+    assert targets == {f"multiturn: turn {len(USER_TURNS)} TTFT warm / cold",
+                       "shared prefix, 8 clients: prompt tokens computed / (system prompt + own)"}
+    assert "multi-turn chat, 2 nodes" in proc.stdout and "clients at once with one system prompt" in proc.stdout
+
+
 def test_windows_and_rows_from_generation_stats():
     assert window_tps([100.0] * 10 + [200.0] * 10, last=False) == 10.0
     assert window_tps([100.0] * 10 + [200.0] * 10, last=True) == 5.0
@@ -114,3 +172,62 @@ def test_targets_are_checked_against_the_rows():
         "mesh, 2 nodes, cached: overhead per hop per decode step (ms)": True,
         "mesh, 2 nodes, cached: bytes sent per hop per decode step": True,
     }
+
+
+def test_prompts_split_into_what_all_share_and_each_ones_own():
+    assert shared_and_own([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7]]) == (2, [2, 3, 1])
+    assert shared_and_own([[1, 2, 3]]) == (3, [0])
+    assert shared_and_own([[1, 2], [1, 2, 3]]) == (2, [0, 1])
+    assert shared_and_own([[5, 1], [6, 1]]) == (0, [2, 2])
+    # every client has the system prompt and a question of its own, also beyond the written questions
+    chats = [client_messages(i) for i in range(len(QUESTIONS) + 2)]
+    assert len({c[0]["content"] for c in chats}) == 1 and len({c[1]["content"] for c in chats}) == len(chats)
+
+
+def test_counters_are_read_from_prometheus_text():
+    text = """# HELP meshnet_prompt_tokens_total Prompt tokens of generations this node headed
+# TYPE meshnet_prompt_tokens_total counter
+meshnet_prompt_tokens_total{kind="reused"} 3570.0
+meshnet_prompt_tokens_total{kind="computed"} 650.0
+meshnet_prompt_tokens_created{kind="computed"} 1.7e+09
+meshnet_generations_total{finish="length"} 7.0
+meshnet_generations_total{finish="stop"} 2.0
+"""
+    assert counter_value(text, "meshnet_prompt_tokens_total", kind="computed") == 650.0
+    assert counter_value(text, "meshnet_prompt_tokens_total") == 4220.0
+    assert counter_value(text, "meshnet_generations_total") == 9.0
+    assert counter_value(text, "meshnet_tokens_generated_total") == 0.0
+
+
+def test_turns_and_groups_from_answers():
+    assert ratio(1.0, 4.0) == 0.25 and ratio(None, 4.0) is None and ratio(1.0, 0) is None and ratio(1.0, None) is None
+
+    def answer(prompt, cached, ttft, ids, first_token_ms=10.0):
+        return {"prompt_tokens": prompt, "cached_tokens": cached, "prompt_computed_tokens": prompt - cached,
+                "ttft_ms": ttft, "first_token_ms": first_token_ms, "prefill_ms": 5.0, "reprefills": 0,
+                "token_ids": ids}
+
+    row = turn_row(6, answer(700, 670, 50.0, [1, 2]), answer(700, 0, 400.0, [1, 2]))
+    assert row["cached_tokens"] == 670 and row["computed_tokens"] == 30 and row["cold_computed_tokens"] == 700
+    assert row["ttft_ratio"] == 0.125 and row["tokens_match"] is True
+    assert turn_row(2, answer(10, 0, 5.0, [1]), answer(10, 0, 5.0, [2]))["tokens_match"] is False
+
+    # 4 clients: a 500-token system prompt, 20 tokens each of their own; the first computes it, 3 fork it
+    warm = [answer(520, 0, 300.0, [1])] + [answer(520, 500, 100.0, [1])] * 3
+    group = group_row(True, warm, 2.0, 580.0, 500, [20] * 4)
+    assert group["ideal_tokens"] == 580 and group["computed_tokens"] == 580 and group["computed_ratio"] == 1.0
+    assert group["cached_tokens"] == 1500 and group["mean_ttft_ms"] == 150.0 and group["max_ttft_ms"] == 300.0
+    cold = group_row(False, [answer(520, 0, 400.0, [1])] * 4, 3.0, None, 500, [20] * 4)
+    assert cold["computed_tokens"] == 2080 and cold["computed_ratio"] == 2080 / 580
+
+
+def test_reuse_targets_hold_the_last_turn_and_the_warm_group():
+    turns = [{"precision": "float32", "turn": t, "ttft_ratio": r} for t, r in ((1, 1.0), (6, 0.3), (2, 0.5))]
+    groups = [{"precision": "float32", "reuse": False, "clients": 8, "computed_ratio": 6.5},
+              {"precision": "float32", "reuse": True, "clients": 8, "computed_ratio": 1.4}]
+    checks = check_targets([], hidden_size=576, multiturn=turns, shared_prefix=groups)
+    assert {c["target"]: (c["value"], c["met"]) for c in checks} == {
+        "multiturn: turn 6 TTFT warm / cold": (0.3, True),
+        "shared prefix, 8 clients: prompt tokens computed / (system prompt + own)": (1.4, False),
+    }
+    assert all(c["precision"] == "float32" and not c["at_least"] for c in checks)

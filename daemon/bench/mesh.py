@@ -69,8 +69,19 @@ class Mesh:
 
     def generate(self, tokens: int, progress: Progress | None = None) -> dict:
         """One streamed generation of exactly ``tokens`` tokens; its ``meshnet`` statistics."""
-        body = {"messages": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        return self.chat(PROMPT, tokens, ignore_eos=True, progress=progress)
+
+    def chat(self, messages: list[dict], tokens: int, *, user: str | None = None, ignore_eos: bool = False,
+             progress: Progress | None = None) -> dict:
+        """One streamed greedy chat completion of up to ``tokens`` tokens: its ``meshnet`` statistics, with
+        the answer's ``text`` and ``ttft_ms``, the time from sending the request to its first text as this
+        client saw it (to the end of the answer, for one without text). ``user``: the OpenAI ``user`` field."""
+        body = {"messages": messages, "max_tokens": tokens, "temperature": 0, "ignore_eos": ignore_eos,
+                "stream": True} | ({"user": user} if user else {})
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        started = time.perf_counter()
+        first_text: float | None = None
+        parts: list[str] = []
         try:
             conn.request("POST", "/v1/chat/completions", json.dumps(body), self.headers)
             resp = conn.getresponse()
@@ -85,13 +96,30 @@ class Mesh:
                     raise RuntimeError(f"the {self.name} mesh failed: {event['error']}")
                 if "meshnet" in event:
                     stats = event["meshnet"]
-                elif progress is not None and event["choices"] and event["choices"][0]["delta"].get("content"):
-                    progress.step()
+                elif event["choices"] and (text := event["choices"][0]["delta"].get("content")):
+                    first_text = first_text or time.perf_counter()
+                    parts.append(text)
+                    if progress is not None:
+                        progress.step()
         finally:
             conn.close()
         if stats is None:
             raise RuntimeError(f"the {self.name} mesh ended the stream without its statistics")
-        return stats
+        ended = time.perf_counter()
+        return stats | {"text": "".join(parts), "ttft_ms": ((first_text or ended) - started) * 1000.0}
+
+    def metrics(self) -> str:
+        """The head's ``/metrics``, in Prometheus' text format."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5.0)
+        try:
+            conn.request("GET", "/metrics", headers=self.headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"GET /metrics answered {resp.status}: {data[:300]!r}")
+            return data.decode()
+        finally:
+            conn.close()
 
     def measure(self, tokens: int) -> dict:
         """One generation of ``tokens`` tokens with a progress line: the table's numbers."""

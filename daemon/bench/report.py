@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 
 from daemon.api.launch import host_cores
@@ -16,6 +17,8 @@ TARGET_DECAY = 0.9  # last-10 over first-10 tokens/s, over 512 tokens
 TARGET_VS_STATELESS = 4.0  # cached over stateless decode at 512 tokens
 TARGET_OVERHEAD_MS = 3.0  # per hop per decode step, on loopback
 TARGET_EXTRA_BYTES = 512  # a decode hop's request may exceed hidden size x 4 bytes by this much
+TARGET_LAST_TURN_TTFT = 0.35  # a chat's last turn: TTFT with the mesh's prefix over TTFT computing it all
+TARGET_SHARED_COMPUTED = 1.3  # concurrent clients, one system prompt: prompt tokens computed over the least
 
 
 def window_tps(step_ms: list[float], *, last: bool) -> float | None:
@@ -51,9 +54,11 @@ def _read_lines(path: str) -> list[str]:
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2}  # on the wire: int8 nodes send bfloat16
 
 
-def check_targets(rows: list[dict], hidden_size: int) -> list[dict]:
+def check_targets(rows: list[dict], hidden_size: int, *, multiturn: Sequence[dict] = (),
+                  shared_prefix: Sequence[dict] = ()) -> list[dict]:
     """Each target of the README's "Speed" section against this run's rows (where the run measured it),
-    per precision: a bfloat16 mesh is held to generate in bfloat16, its hops to bfloat16's bytes."""
+    per precision: a bfloat16 mesh is held to generate in bfloat16, its hops to bfloat16's bytes.
+    ``multiturn`` and ``shared_prefix``: the prompt-reuse rows (``daemon.bench.reuse``)."""
     checks = []
 
     def check(name: str, value, limit: float, *, at_least: bool) -> None:
@@ -87,6 +92,15 @@ def check_targets(rows: list[dict], hidden_size: int) -> list[dict]:
                 check(f"{setup}: bytes sent per hop per decode step",
                       max(r["wire_bytes_per_hop_step"] for r in measured),
                       hidden_size * DTYPE_BYTES.get(precision, 4) + TARGET_EXTRA_BYTES, at_least=False)
+    for precision in dict.fromkeys(t["precision"] for t in multiturn):
+        last = max((t for t in multiturn if t["precision"] == precision), key=lambda t: t["turn"])
+        check(f"multiturn: turn {last['turn']} TTFT warm / cold", last["ttft_ratio"], TARGET_LAST_TURN_TTFT,
+              at_least=False)
+    for group in shared_prefix:
+        if group["reuse"]:
+            precision = group["precision"]
+            check(f"shared prefix, {group['clients']} clients: prompt tokens computed / (system prompt + own)",
+                  group["computed_ratio"], TARGET_SHARED_COMPUTED, at_least=False)
     return checks
 
 
@@ -94,13 +108,15 @@ def _fmt(value, spec: str, width: int) -> str:
     return f"{value:{width}{spec}}" if value is not None else f"{'-':>{width}}"
 
 
-def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floor: dict) -> None:
-    """The run's rows, concurrent sessions, loopback floor and targets, as a table on stdout."""
+def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floor: dict, *,
+                multiturn: Sequence[dict] = (), shared_prefix: Sequence[dict] = ()) -> None:
+    """The run's rows, concurrent sessions, prompt reuse, loopback floor and targets, as tables on stdout."""
     header = (f"{'setup':<34} {'dtype':>8} {'tokens':>6} {'prefill ms':>10} {'tok/s':>7} {'first10':>7} "
               f"{'last10':>7} {'decay':>5} {'B/hop/step':>10} {'ovh ms/hop':>10} {'vs gen':>7} {'same':>4} "
               f"{'peak MiB/node':>15} {'load':>5}")
-    print(header)
-    print("-" * len(header))
+    if rows:
+        print(header)
+        print("-" * len(header))
     for r in rows:
         same = {True: "yes", False: "NO", None: "-"}[r.get("tokens_match")]
         peaks = "/".join(f"{n['peak_rss_bytes'] / 2**20:.0f}" for n in r.get("nodes", []) if n["peak_rss_bytes"])
@@ -117,6 +133,7 @@ def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floo
         for s in sessions:
             print(f"{s['sessions']:<40} {s.get('precision', '-'):>8} {s['tokens_each']:>11} {s['wall_s']:>8.1f} "
                   f"{s['aggregate_tps']:>16.2f}")
+    _print_reuse(multiturn, shared_prefix)
     print()
     print(f"loopback floor: a bare hop on the same HTTP stack with one hand-off to a worker thread costs "
           f"{floor['median_ms']:.2f} ms (median; min {floor['min_ms']:.2f}) around a {floor['pause_ms']:.0f} ms "
@@ -127,3 +144,27 @@ def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floo
             op = ">=" if c["at_least"] else "<="
             print(f"{'met ' if c['met'] else 'MISS'} {c.get('precision', '')} {c['target']}: {c['value']:.2f} "
                   f"(target {op} {c['limit']:g})")
+
+
+def _print_reuse(multiturn: Sequence[dict], shared_prefix: Sequence[dict]) -> None:
+    same = {True: "yes", False: "NO", None: "-"}
+    if multiturn:
+        print()
+        print("multi-turn chat, 2 nodes: each turn cold (nothing to reuse), then warm (the chat's prefix reused); "
+              "TTFT from request to first text")
+        print(f"{'dtype':>8} {'turn':>4} {'prompt':>6} {'cached':>6} {'computed':>8} {'TTFT warm ms':>12} "
+              f"{'TTFT cold ms':>12} {'warm/cold':>9} {'same':>4} {'load':>5}")
+        for t in multiturn:
+            print(f"{t['precision']:>8} {t['turn']:>4} {t['prompt_tokens']:>6} {t['cached_tokens']:>6} "
+                  f"{t['computed_tokens']:>8} {t['ttft_warm_ms']:>12.1f} {t['ttft_cold_ms']:>12.1f} "
+                  f"{_fmt(t['ttft_ratio'], '.2f', 9)} {same[t['tokens_match']]:>4} {t['load']:>5.2f}")
+    if shared_prefix:
+        print()
+        print("clients at once with one system prompt, 2 nodes: prompt tokens computed against the system prompt's "
+              "plus each client's own")
+        print(f"{'dtype':>8} {'reuse':>5} {'clients':>7} {'prompt':>6} {'computed':>8} {'sys+own':>7} "
+              f"{'ratio':>5} {'wall s':>6} {'mean TTFT ms':>12} {'same':>4} {'load':>5}")
+        for g in shared_prefix:
+            print(f"{g['precision']:>8} {'on' if g['reuse'] else 'off':>5} {g['clients']:>7} {g['prompt_tokens']:>6} "
+                  f"{g['computed_tokens']:>8} {g['ideal_tokens']:>7} {_fmt(g['computed_ratio'], '.2f', 5)} "
+                  f"{g['wall_s']:>6.1f} {g['mean_ttft_ms']:>12.1f} {same[g['tokens_match']]:>4} {g['load']:>5.2f}")

@@ -8,8 +8,12 @@ stateless (``--no-kv-cache``) and a three-node mesh, then many sessions at once
 on the two-node mesh. Each mesh run follows a run of ``generate`` straight before
 it, and a mesh row's ratio is the median of those pairs' ratios; each mesh row
 also has its nodes' peak resident memory next to the weights they hold, and every
-row the host's load average when it ended. It prints a table and writes the same
-numbers, with the targets they are held to, as JSON.
+row the host's load average when it ended. Then prompt reuse on two-node meshes of
+their own: a six-turn chat with a long system prompt, each turn's time to first
+token with the chat's prefix reused next to the same request computed whole; and
+concurrent clients with one system prompt, the prompt tokens the mesh computed
+for them against the system prompt's plus each client's own. It prints tables
+and writes the same numbers, with the targets they are held to, as JSON.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from daemon.bench.mesh import Mesh, many_sessions
 from daemon.bench.progress import say
 from daemon.bench.reference import Reference
 from daemon.bench.report import check_targets, machine, print_table, window_tps
+from daemon.bench.reuse import REUSE_BY_USER, USER_TURNS, client_messages, clients_at_once, multiturn_chat
 
-SETUPS = ("generate", "cached", "stateless", "three")
+SETUPS = ("generate", "cached", "stateless", "three", "multiturn", "shared-prefix")
 PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8")
 # a precision's compute dtype and quantization: int8 weights run in bfloat16 (daemon.model.quantize)
 QUANTIZED = {"int8": ("bfloat16", "int8")}
@@ -54,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="new tokens per run (default 128 512)")
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS),
                         help="what to measure (default all): generate, cached (2 nodes), stateless (2 nodes), "
-                        "three (3 nodes, cached)")
+                        "three (3 nodes, cached), multiturn (a chat's turns with and without its prefix reused), "
+                        "shared-prefix (clients at once with one system prompt, with and without reuse)")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["auto"],
                         help="compute dtypes to measure, each against generate in the same dtype (default auto: "
                         "what meshd runs in on this machine); int8: int8 weights in bfloat16, against generate "
@@ -69,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=4,
                         help="concurrent sessions measured next to one on the cached 2-node mesh (0: skip; default 4)")
     parser.add_argument("--session-tokens", type=int, default=128, help="new tokens per concurrent session")
+    parser.add_argument("--clients", type=int, default=8,
+                        help="concurrent clients of the shared-prefix setup (default 8)")
+    parser.add_argument("--turn-tokens", type=int, default=16,
+                        help="new tokens at most per answer of the multiturn and shared-prefix setups (default 16)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run each generate and cached row this many times and keep the fastest, against "
                         "a noisy host; each mesh run is paired with a generate run just before it (the slow "
@@ -79,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tokens must be at least 2 (one prefill, one decode step)")
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.clients < 1 or args.turn_tokens < 1:
+        parser.error("--clients and --turn-tokens must be at least 1")
 
     from daemon.model.device import dtype_name, resolve_device, resolve_dtype
     from daemon.model.shard import read_model_info
@@ -103,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         f"in {', '.join(precisions)} on {device}")
     rows: list[dict] = []
     sessions: list[dict] = []
+    multiturn: list[dict] = []
+    shared_prefix: list[dict] = []
     for precision in precisions:
         _measure_precision(args, folder, precision, meshes, rows, sessions)
+        _measure_reuse(args, folder, precision, meshes["cached"][1], multiturn, shared_prefix)
     order = [name for name, _ in meshes.values()]
     rows.sort(key=lambda r: (precisions.index(r["precision"]), r["new_tokens"],
                              order.index(r["setup"]) if r["setup"] in order else -1, r["setup"]))
@@ -114,14 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     pause = sum(h["compute_ms"] for h in remote) / sum(h["steps"] for h in remote) if remote else 40.0
     say(f"loopback floor: a bare hop around a {pause:.0f} ms pause")
     floor = loopback_floor(pause)
-    checks = check_targets(rows, info.hidden_size)
-    print_table(rows, sessions, checks, floor)
+    checks = check_targets(rows, info.hidden_size, multiturn=multiturn, shared_prefix=shared_prefix)
+    print_table(rows, sessions, checks, floor, multiturn=multiturn, shared_prefix=shared_prefix)
     host["load_average_at_end"] = os.getloadavg()
     out = {
         "machine": host,
         "model": {"name": info.name, "layers": n, "hidden_size": info.hidden_size},
         "threads_per_daemon": args.threads or "adaptive (meshd default)",
         "rows": rows, "sessions": sessions, "targets": checks, "loopback_floor": floor,
+        "turn_tokens": args.turn_tokens, "multiturn": multiturn, "shared_prefix": shared_prefix,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
@@ -183,9 +199,7 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
             continue
         name, specs = meshes[key]
         say(f"starting {name} in {precision}")
-        dtype, quantize = QUANTIZED.get(precision, (precision, None))
-        node_args = ["--dtype", dtype, "--device", args.device] + (["--quantize", quantize] if quantize else [])
-        mesh = Mesh(name, specs, args.model, args.threads, node_args=node_args)
+        mesh = Mesh(name, specs, args.model, args.threads, node_args=_node_args(args, precision))
         try:
             mesh.generate(4)  # warm-up: connections, route measurements, lazy loads
             for tokens in args.tokens:
@@ -199,3 +213,37 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
             mesh.stop()
     for tokens in args.tokens:
         measure_reference(tokens)
+
+
+def _node_args(args, precision: str) -> list[str]:
+    """Every node's compute dtype, device and quantization for ``precision``."""
+    dtype, quantize = QUANTIZED.get(precision, (precision, None))
+    return ["--dtype", dtype, "--device", args.device] + (["--quantize", quantize] if quantize else [])
+
+
+def _measure_reuse(args, folder: Path, precision: str, specs: list[tuple[str, list[str]]], multiturn: list[dict],
+                   shared_prefix: list[dict]) -> None:
+    """The prompt-reuse setups in one compute dtype, each on a two-node mesh of its own (:mod:`daemon.bench.reuse`)."""
+    # room for every session a setup holds at once, live or retained, so no eviction shows up as a cold start
+    room = ["--kv-max-sessions", str(2 * max(args.clients, len(USER_TURNS)) + 2)]
+    for key, name in (("multiturn", "multiturn, 2 nodes"), ("shared-prefix", "shared prefix, 2 nodes")):
+        if key not in args.setups:
+            continue
+        say(f"starting {name} in {precision}")
+        mesh = Mesh(name, specs, args.model, args.threads,
+                    node_args=_node_args(args, precision) + REUSE_BY_USER + room)
+        try:
+            # warm-up: connections, route measurements, lazy loads, and one prompt as long as the measured ones
+            mesh.chat(client_messages(0), 4, user="bench-warm-up")
+            if key == "multiturn":
+                multiturn.extend(t | {"precision": precision} for t in multiturn_chat(mesh, args.turn_tokens))
+            else:
+                from transformers import AutoConfig
+
+                from daemon.model.tokenizer import ChatTokenizer
+
+                encode = ChatTokenizer.load(folder, AutoConfig.from_pretrained(folder)).encode_chat
+                shared_prefix.extend(g | {"precision": precision}
+                                     for g in clients_at_once(mesh, args.clients, args.turn_tokens, encode))
+        finally:
+            mesh.stop()
