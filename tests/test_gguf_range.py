@@ -414,6 +414,7 @@ def _last_line(result: subprocess.CompletedProcess) -> str:
     return result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_a_range_past_the_files_layers_names_its_layer_count(tiny_gguf, tmp_path: Path) -> None:
     gguf_path = tiny_gguf("F32")
     result = meshd("--model", str(gguf_path), "--layers", "2-9", "--port", "1", cache=tmp_path / "cache")
@@ -423,6 +424,7 @@ def test_a_range_past_the_files_layers_names_its_layer_count(tiny_gguf, tmp_path
     assert not (tmp_path / "cache").exists()  # refused from the header, before any conversion
 
 
+@pytest.mark.slow
 def test_an_unknown_architecture_is_named(tiny_llama, built_in_gguf, temp_cache: Path, tmp_path: Path) -> None:
     # known to gguf-py (it has tensor names for it), but not a GGUF architecture transformers converts
     gguf_path = write_llama_gguf(tiny_llama, tmp_path / "rwkv.gguf", built_in_gguf, architecture="rwkv6")
