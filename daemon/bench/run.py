@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.clients < 1 or args.turn_tokens < 1:
         parser.error("--clients and --turn-tokens must be at least 1")
 
-    from daemon.model.device import dtype_name, resolve_device, resolve_dtype
+    from daemon.model.device import checkpoint_dtype, dtype_name, resolve_device, resolve_dtype
     from daemon.model.shard import read_model_info
     from daemon.model.source import resolve_model
 
@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         "three": ("mesh, 3 nodes, cached", [(layers, []) for layers in _thirds(n)]),
     }
     device = resolve_device(args.device)
-    precisions = list(dict.fromkeys(p if p in QUANTIZED else dtype_name(resolve_dtype(p, device))
+    saved = checkpoint_dtype(folder)  # auto resolves as meshd's own --dtype auto does on this device
+    precisions = list(dict.fromkeys(p if p in QUANTIZED else dtype_name(resolve_dtype(p, device, saved))
                                     for p in args.precisions))
     say(f"{info.name}, {n} layers, hidden size {info.hidden_size}; {cores} cores; tokens {args.tokens}; "
         f"in {', '.join(precisions)} on {device}")
