@@ -214,3 +214,69 @@ def test_sixteen_streams_through_four_kv_slots_all_finish_exactly(mesh, referenc
         print(f"  node {layers}: misses {s['misses']}, hits {s['hits']}, evictions {s['evictions']}, "
               f"at most {most['sessions']} sessions / {most['bytes']} bytes over the polls")
     print(f"  written to {RESULTS}")
+
+
+CONVERSATIONS = ["Plan a picnic.", "Teach me a card game.", "Help me name a cat.", "Explain tides."]
+FOLLOW_UPS = ["Shorter, please.", "One more detail?"]
+
+
+def converse(head: Daemon, opening: str, expected, out: dict, start: threading.Barrier) -> None:
+    """Three turns of one conversation, each answer fed back; what each turn answered goes into ``out``."""
+    messages = [{"role": "system", "content": "You answer in one sentence. " * 8},
+                {"role": "user", "content": opening}]
+    start.wait()
+    try:
+        for follow_up in [*FOLLOW_UPS, None]:
+            status, body = head.chat({"messages": messages, "max_tokens": TOKENS, "temperature": 0}, timeout=300)
+            assert status == 200, body
+            out.setdefault("turns", []).append((body["meshnet"], expected(list(messages))))
+            if follow_up is None:
+                break
+            messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": follow_up}]
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        out["error"] = repr(exc)
+
+
+def test_conversations_reuse_their_sessions_while_the_stores_stay_within_bounds(default_model, reference_tokens,
+                                                                                tmp_path):
+    """Issue 14, "bounds": four conversations at once, three turns each, through stores that hold five
+    sessions and a byte budget below that: retained prefixes are reused, and evicted before live sessions,
+    while every poll finds both stores within their bounds and every answer is generate's, cold."""
+    budget = 5 * 1024 * 1024
+    kv = ["--kv-max-sessions", "5", "--kv-max-bytes", str(budget)]
+    mesh = start_mesh(default_model, [("0-14", kv), ("15-29", kv)], log_dir=tmp_path)
+    try:
+        head = mesh[0]
+        results = [{} for _ in CONVERSATIONS]
+        start = threading.Barrier(len(CONVERSATIONS))
+
+        def expected(messages):
+            return lambda: reference_tokens(messages, TOKENS)
+
+        threads = [threading.Thread(target=converse, args=(head, opening, expected, out, start))
+                   for opening, out in zip(CONVERSATIONS, results)]
+        with StoreWatch(mesh) as watch:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=600)
+        assert not any(t.is_alive() for t in threads)
+        for out in results:
+            assert "error" not in out, out
+            for stats, want in out["turns"]:
+                assert stats["token_ids"] == want()[:len(stats["token_ids"])]
+        reused = [stats["cached_tokens"] for out in results for stats, _ in out["turns"][1:]]
+        assert sum(reused) > 0, reused
+        assert not watch.bad, watch.bad[:5]
+        for node in mesh:
+            polled = [s for layers, s in watch.snapshots if layers == node.layers]
+            assert len(polled) >= 10
+            over = [s for s in polled if s["sessions"] > 5 or s["bytes"] > budget]
+            assert not over, f"{node.layers}: store over its bounds: {over[:3]}"
+            assert "unhandled error" not in node.log()
+            store = node.get("/v1/status")["store"]  # twelve answers' sessions through five slots: some went
+            assert store["evictions"]["lru"] + store["evictions"]["bytes"] > 0, store
+    finally:
+        for d in mesh:
+            d.stop()
