@@ -365,3 +365,101 @@ def test_a_fork_of_part_of_a_session_is_exact_where_the_layers_can_be_cut_back(t
     while len(got) < 4:
         got.append(step(route, got[-1:], mode="decode", session="s2", past_len=len(shared) + len(mine) + len(got) - 1))
     assert got == greedy_reference(folder, shared + mine, 4)
+
+
+# ---- the head's wiring: what a generation leaves in the index and on its own node -----------------------------
+
+class FakeTokenizer:
+    eos_token_ids = {0}
+    eos_texts = {"<eos>"}
+
+    def encode_chat(self, messages):
+        return SYSTEM + [len(m["content"]) for m in messages]
+
+    def encode_text(self, text):
+        return [1]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+    def default_sampling(self):
+        return {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+
+class FakeOwnLayers:
+    """A single local node holding every layer: each step answers token 7, and sessions are recorded."""
+
+    hidden_size = 4
+    context_length = 4096
+
+    def __init__(self):
+        self.requests, self.retained, self.dropped = [], [], []
+
+    async def ensure_head(self):
+        return FakeTokenizer()
+
+    async def embed(self, token_ids, *, dtype):
+        raise AssertionError("the local first hop embeds in its own step")
+
+    async def forward(self, request, *, token_ids=None):
+        self.requests.append((request, token_ids))
+        return wire.ForwardReply(token_id=7, text="7")
+
+    def drop_session(self, session_id):
+        self.dropped.append(session_id)
+        return True
+
+    def retain_session(self, session_id):
+        self.retained.append(session_id)
+        return True
+
+
+class FakePlanner:
+    async def plan_for_request(self):
+        return [Hop("http://self", 0, 4, local=True)]
+
+    def observe(self, *args, **kwargs):
+        pass
+
+
+def fake_head():
+    from daemon.api import StoreStats
+    from daemon.mesh.head import Head, HeadSettings
+    from daemon.metrics import Metrics
+
+    own = FakeOwnLayers()
+    head = Head(own, FakePlanner(), Metrics(StoreStats), model_name="m", settings=HeadSettings())
+    head.connect(None, None)  # a route of the head's own layers only: no HTTP
+    return head, own
+
+
+def test_a_finished_generation_is_retained_and_its_next_turn_extends_it():
+    from daemon.mesh.head import ChatRequest
+
+    async def main():
+        head, own = fake_head()
+        async with head.generate(ChatRequest([{"role": "user", "content": "hi"}], max_tokens=3)) as gen:
+            assert [e.token_id async for e in gen] == [7, 7, 7]
+        first = gen.stats.session_id
+        assert own.retained == [first] and own.dropped == []
+        held = head.prefixes.get(first)
+        assert not held.live and held.tokens == SYSTEM + [2, 7, 7]  # the prompt and two fed tokens
+        turn2 = ChatRequest([{"role": "user", "content": "hi"}], max_tokens=1)  # the same prompt: a fork
+        async with head.generate(turn2) as gen:
+            [e async for e in gen]
+        request, token_ids = own.requests[-1]
+        assert (request.mode, request.prefix, request.take_prefix, request.past_len) == \
+               ("decode", first, False, len(SYSTEM))
+        assert token_ids == [2] and gen.stats.cached_tokens == len(SYSTEM)
+    run(main())
+
+
+def test_a_generation_never_iterated_leaves_nothing_to_wait_for():
+    from daemon.mesh.head import ChatRequest
+
+    async def main():
+        head, own = fake_head()
+        async with head.generate(ChatRequest([{"role": "user", "content": "hi"}], max_tokens=3)) as gen:
+            pass  # the client went away before the first token
+        assert head.prefixes.get(gen.stats.session_id) is None and own.requests == []
+    run(main())

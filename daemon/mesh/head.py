@@ -174,11 +174,15 @@ class Head:
             events = generate(backend, self._hop_client(), self.planner, route, loop_request, stats=stats,
                               index=index)
             # aclosing: a client that goes away mid-stream still ends the generation and frees its sessions now
-            async with contextlib.aclosing(events):
-                try:
-                    yield Generation(stats, self._timed(events, started), model=self.model_name)
-                finally:
-                    self._finished(stats)
+            try:
+                async with contextlib.aclosing(events):
+                    try:
+                        yield Generation(stats, self._timed(events, started), model=self.model_name)
+                    finally:
+                        self._finished(stats)
+            finally:
+                if index is not None:  # a generation never iterated never ran the loop that ends its entry
+                    index.forget_if_live(stats.session_id)
         finally:
             self.active_generations -= 1
 

@@ -175,6 +175,12 @@ class PrefixIndex:
         if entry is not None:
             entry.ready.set()  # anyone waiting on its prefill stops waiting
 
+    def forget_if_live(self, session_id: str) -> None:
+        """The generation is over: if it never said how it ended (it never ran), nothing of it is held."""
+        entry = self._entries.get(session_id)
+        if entry is not None and entry.live:
+            self.forget(session_id)
+
     def cannot_crop(self, route: Sequence[Hop]) -> None:
         """A node of ``route`` keeps state that cannot be cut back: offer it whole-session matches only."""
         self._uncroppable.add(route_key(route))
