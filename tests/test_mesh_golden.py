@@ -43,12 +43,15 @@ def test_two_node_cached_mesh_matches_generate(two_nodes, reference_tokens, prom
     stats = body["meshnet"]
     assert stats["token_ids"] == reference_tokens(PROMPTS[prompt], NEW_TOKENS, ignore_eos=True)
     assert len(stats["token_ids"]) == NEW_TOKENS
-    assert stats["prefills"] == 1 and stats["reprefills"] == 0 and stats["stateless_steps"] == 0
+    # one prefill, or one extend step from a session an earlier prompt left (the template's system prompt)
+    assert stats["prefills"] == (0 if stats["cached_tokens"] else 1)
+    assert stats["reprefills"] == 0 and stats["stateless_steps"] == 0
     assert [h["start_layer"] for h in stats["route"]] == [0, 15]
-    # the tail kept a session for its layers; the head dropped its own at the end
+    # each node kept a session for its layers; the head's own is a retained prefix at once (the tail's is
+    # marked in the background)
     assert any(s["past_len"] == body["usage"]["prompt_tokens"] + NEW_TOKENS - 1
                for s in tail.get("/v1/sessions")["sessions"])
-    assert stats["session_id"] not in {s["session_id"] for s in head.get("/v1/sessions")["sessions"]}
+    assert any(s["session_id"] == stats["session_id"] and s["retained"] for s in head.get("/v1/sessions")["sessions"])
 
 
 @pytest.mark.slow

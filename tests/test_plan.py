@@ -20,7 +20,7 @@ from daemon.api import format_layers
 from daemon.model.footprint import LayerCache, ModelFootprint, PartValues, Precision, read_footprint
 from daemon.plan import parse_size, plan_mesh
 from daemon.plan.split import GIB
-from tests.meshtest import Daemon, free_port, node_url
+from tests.meshtest import Daemon, free_port, http_json, node_url
 
 MIB = 1 << 20
 
@@ -294,9 +294,12 @@ def test_builtin_model_weights_and_cache_match_two_running_nodes(default_model):
                                       "max_tokens": 1})
         assert status == 200, body
         prompt = body["usage"]["prompt_tokens"]
-        (session,) = nodes[1].get("/v1/sessions")["sessions"]  # the head dropped its own at the end
+        (session,) = nodes[1].get("/v1/sessions")["sessions"]
         assert session["past_len"] == prompt
         assert session["bytes"] == prompt * sum(per_token[start:end]) == tail["kv_bytes_per_token"] * prompt
+        for node in nodes:  # the next prompt must be prefilled, not forked from this one (a copy is exact-size)
+            for kept in node.get("/v1/sessions")["sessions"]:
+                http_json("DELETE", f"{node.url}/v1/sessions/{kept['session_id']}")
         # decoding on: the buffer grows once with room to spare, as the growth rule predicts
         status, body = nodes[0].chat({"messages": [{"role": "user", "content": "Name four lakes."}],
                                       "max_tokens": 5, "ignore_eos": True})
