@@ -190,7 +190,8 @@ def two_bfloat16_nodes(default_model, tmp_path_factory):
         d.stop()
 
 
-@pytest.mark.parametrize("prompt", [pytest.param(0, id="0", marks=pytest.mark.slow), pytest.param(1, id="1", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", range(2))
 def test_two_node_bfloat16_mesh_matches_generate_in_bfloat16(two_bfloat16_nodes, reference_tokens_in, prompt):
     """Computed in bfloat16 and sent over the wire in bfloat16 (the compute dtype: nothing is rounded on the
     way), the mesh emits the tokens ``generate`` gives in bfloat16 with the same weights."""

@@ -214,9 +214,9 @@ def test_hybrid_models_answer_as_cold_whether_or_not_a_prefix_could_be_used(tiny
             assert body["meshnet"]["token_ids"] == reference_generate(folder, messages, TOKENS)
             outcomes.append((body["meshnet"]["cached_tokens"], body["meshnet"]["cache_misses"]))
             messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
-        misses = tail.get("/v1/status")["store"]["misses_by_reason"] | head.get("/v1/status")["store"]["misses_by_reason"]
+        refused = sum(node.get("/v1/status")["store"]["misses_by_reason"]["not_croppable"] for node in mesh)
         # either the answer re-tokenised exactly and the session was continued, or the layers refused a crop
-        assert any(cached for cached, _ in outcomes) or misses["not_croppable"] >= 1, (outcomes, misses)
+        assert any(cached for cached, _ in outcomes) or refused >= 1, (outcomes, refused)
     finally:
         for d in mesh:
             d.stop()
@@ -231,7 +231,8 @@ def test_reused_prefix_logits_stay_within_the_documented_bound(default_model):
     from daemon.model.shard import ModelShard
 
     torch.set_num_threads(1)
-    ids = AutoTokenizer.from_pretrained(default_model)("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]
+    text = "The quick brown fox jumps over the lazy dog. " * 12
+    ids = AutoTokenizer.from_pretrained(default_model)(text)["input_ids"]
     shard = ModelShard(default_model, 0, 30, sessions=SessionCacheStore())
     cold = shard.logits_last(shard.run_layers(shard.embed(ids), start_layer=0, past_len=0, cache=shard.new_cache()))
     worst = 0.0

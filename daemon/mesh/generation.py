@@ -284,7 +284,9 @@ async def generate(
     decode_steps = 0
 
     def observe(hop: Hop, total_ms: float, reply: HopReply) -> None:
-        router.observe(hop, mode=mode, total_ms=total_ms, compute_ms=reply.compute_ms)
+        # an extend step computes the prompt's new tokens: measured as a prefill, not as a one-token decode
+        router.observe(hop, mode="prefill" if reuse is not None else mode, total_ms=total_ms,
+                       compute_ms=reply.compute_ms)
         if generated:  # a step after the first token: what each further token costs on each hop
             totals = stats.hop_totals(hop)
             totals.steps += 1
@@ -296,7 +298,7 @@ async def generate(
 
     def move_to(new_route: list[Hop]) -> None:
         """Continue on ``new_route``: one prefill of everything so far there, under the same session id."""
-        nonlocal route, cached, mode, reuse, past_len
+        nonlocal route, cached, mode, reuse
         kept = {hop.url for hop in new_route}
         for hop in route:
             if hop.url not in kept and not hop.local:
