@@ -328,8 +328,8 @@ def greedy_reference(folder, ids: list[int], tokens: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("arch, split", [("llama", 2), pytest.param("qwen3_next", 3, marks=pytest.mark.slow),
-                                         pytest.param("qwen3_5", 3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, split", [("llama", 2), ("qwen3_next", 3), ("qwen3_5", 3)])
 def test_a_session_taken_or_forked_whole_continues_as_generate_would(tiny_model, arch, split):
     folder = tiny_model(arch)
     route = shard_route(folder, split)

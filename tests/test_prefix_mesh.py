@@ -222,6 +222,7 @@ def test_hybrid_models_answer_as_cold_whether_or_not_a_prefix_could_be_used(tiny
             d.stop()
 
 
+@pytest.mark.slow
 def test_reused_prefix_logits_stay_within_the_documented_bound(default_model):
     """In one process: the last position's logits after a prefix computed earlier, against a cold prefill."""
     import torch
