@@ -44,14 +44,17 @@ def converse(head: Daemon, reference_tokens, questions=QUESTIONS, system=SYSTEM)
     return messages, bodies
 
 
-def metric(daemon: Daemon, name: str) -> float:
+def reused_tokens(daemon: Daemon) -> float:
+    """The head's ``meshnet_prompt_tokens_total{kind="reused"}``."""
     import http.client
+
+    from daemon.bench.reuse import counter_value
 
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=10)
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     conn.close()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+    return counter_value(text, "meshnet_prompt_tokens_total", kind="reused")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,7 @@ def mesh(default_model, tmp_path_factory):
 @pytest.mark.slow
 def test_each_turn_of_a_conversation_reuses_the_last_and_answers_as_cold(mesh, reference_tokens):
     head, tail = mesh
-    reused_before = metric(head, 'meshnet_prompt_tokens_total{kind="reused"}')
+    reused_before = reused_tokens(head)
     messages, bodies = converse(head, reference_tokens)
     first, *later = bodies
     assert first["meshnet"]["cached_tokens"] == 0 or first["meshnet"]["cached_tokens"] < 60  # maybe the system
@@ -74,7 +77,7 @@ def test_each_turn_of_a_conversation_reuses_the_last_and_answers_as_cold(mesh, r
         assert body["meshnet"]["cached_tokens"] >= before["usage"]["prompt_tokens"], body["usage"]
         assert body["meshnet"]["prompt_computed_tokens"] < 40
     reused = sum(b["meshnet"]["cached_tokens"] for b in bodies)
-    assert metric(head, 'meshnet_prompt_tokens_total{kind="reused"}') - reused_before == reused
+    assert reused_tokens(head) - reused_before == reused
     # each finished generation's session stays on both nodes, marked as a retained prefix
     for node in mesh:
         sessions = node.get("/v1/sessions")["sessions"]

@@ -10,12 +10,16 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from daemon.api import auth_headers
 from daemon.api.launch import LOOPBACK, MeshdProcess, free_port, node_url, stop_all
 from daemon.bench.progress import Progress
 from daemon.bench.reference import PROMPT
+
+T = TypeVar("T")
 
 
 class Mesh:
@@ -179,31 +183,40 @@ def mesh_row(stats: dict) -> dict:
     }
 
 
-def many_sessions(mesh: Mesh, sessions: int, tokens: int) -> dict:
-    """Aggregate tokens/s of ``sessions`` generations started together (every token over the wall time)."""
-    results: list[dict] = []
+def at_once(jobs: list[Callable[[], T]]) -> tuple[list[T], float]:
+    """Run every job on a thread of its own, all released together: their results in order and the wall time
+    from the release to the last one's end. The first error is raised once every job has ended."""
+    results: list = [None] * len(jobs)
     errors: list[BaseException] = []
-    progress = Progress(f"{mesh.name}, {sessions} concurrent session(s) of {tokens} tokens", sessions * tokens)
-    lock = threading.Lock()
+    release = threading.Barrier(len(jobs) + 1)
 
-    def one() -> None:
+    def run(i: int) -> None:
+        release.wait()
         try:
-            stats = mesh.generate(tokens, progress)
-            with lock:
-                results.append(stats)
-        except BaseException as exc:  # noqa: BLE001 - reported below, after the others finish
+            results[i] = jobs[i]()
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the others finish
             errors.append(exc)
 
-    started = time.perf_counter()
-    workers = [threading.Thread(target=one) for _ in range(sessions)]
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
     for w in workers:
         w.start()
+    release.wait()
+    started = time.perf_counter()
     for w in workers:
         w.join()
     wall = time.perf_counter() - started
-    progress.end()
     if errors:
         raise errors[0]
+    return results, wall
+
+
+def many_sessions(mesh: Mesh, sessions: int, tokens: int) -> dict:
+    """Aggregate tokens/s of ``sessions`` generations started together (every token over the wall time)."""
+    progress = Progress(f"{mesh.name}, {sessions} concurrent session(s) of {tokens} tokens", sessions * tokens)
+    try:
+        results, wall = at_once([lambda: mesh.generate(tokens, progress)] * sessions)
+    finally:
+        progress.end()
     total = sum(s["completion_tokens"] for s in results)
     return {
         "sessions": sessions,

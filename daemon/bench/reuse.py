@@ -12,13 +12,13 @@ candidates differs. TTFT is what a client sees: from sending the request to the 
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 
-from daemon.bench.mesh import Mesh
+from daemon.bench.mesh import Mesh, at_once
 from daemon.bench.progress import Progress, say
 from daemon.mesh.prefix import common_prefix
 
@@ -173,30 +173,13 @@ def _together(mesh: Mesh, chats: list[list[dict]], tokens: int, users: list[str]
               label: str) -> tuple[list[dict], float, float | None]:
     """Every chat at once, one thread and connection each: the answers in order, the wall time from the
     start to the last answer, and the computed prompt tokens the head's ``/metrics`` counted meanwhile."""
-    answers: list[dict | None] = [None] * len(chats)
-    errors: list[BaseException] = []
     progress = Progress(f"{mesh.name}, {len(chats)} clients at once, {label}", len(chats) * tokens)
-    start = threading.Barrier(len(chats) + 1)
-
-    def one(i: int) -> None:
-        start.wait()
-        try:
-            answers[i] = mesh.chat(chats[i], tokens, user=users[i], progress=progress)
-        except BaseException as exc:  # noqa: BLE001 - reported below, after the others finish
-            errors.append(exc)
-
     before = mesh.metrics()
-    workers = [threading.Thread(target=one, args=(i,)) for i in range(len(chats))]
-    for w in workers:
-        w.start()
-    start.wait()
-    started = time.perf_counter()
-    for w in workers:
-        w.join()
-    wall = time.perf_counter() - started
-    progress.end()
-    if errors:
-        raise errors[0]
+    try:
+        answers, wall = at_once([functools.partial(mesh.chat, chat, tokens, user=user, progress=progress)
+                                 for chat, user in zip(chats, users)])
+    finally:
+        progress.end()
     return answers, wall, _computed_since(mesh, before, len(chats))
 
 
