@@ -15,7 +15,7 @@ def states(tokens: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_a_growing_layer_holds_exactly_what_transformers_layer_holds_through_growth_and_crops():
     ours, theirs = GrowingLayer(), DynamicLayer()
-    steps = [30] + [1] * (MIN_GROWTH + 40) + [5]  # a prefill, decode steps past the first growth, a chunk
+    steps = [30] + [1] * (4 * MIN_GROWTH + 40) + [5]  # a prefill, decode steps through several growths, a chunk
     for i, tokens in enumerate(steps):
         key, value = states(tokens, seed=i)
         got, want = ours.update(key, value), theirs.update(key, value)

@@ -16,7 +16,7 @@ from copy import deepcopy
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-MIN_GROWTH = 256  # positions added when a buffer is full: a copy every 256 steps at most, not every step
+MIN_GROWTH = 32  # positions added at least when a buffer is full; growth by half keeps copies amortised O(1)
 
 
 class GrowingLayer(DynamicLayer):
