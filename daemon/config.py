@@ -174,6 +174,13 @@ class NodeConfig:
     max_tokens_cap: int = setting(
         4096, flag="--max-tokens-cap", metavar="N", help="the most new tokens a request may ask for "
         "(default 4096, never past the model's context)", check=at_least(1))
+    max_batch: int = setting(
+        16, flag="--max-batch", metavar="N", help="most sessions whose decode steps run as one forward on this "
+        "node (default 16); 1 runs every step alone, exactly as a single session computes it", check=at_least(1))
+    step_tokens: int = setting(
+        512, flag="--step-tokens", metavar="N", help="token budget of one step on this node (default 512): a "
+        "longer prompt runs in chunks of N, and the sessions decoding here take their steps between them",
+        check=at_least(16))
     max_generations: int = setting(
         32, flag="--max-generations", metavar="N", help="generations this node heads at once (default 32); "
         "beyond it, 429 with Retry-After", check=at_least(1))

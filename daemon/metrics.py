@@ -76,6 +76,10 @@ class Metrics:
         self.steps = Counter("meshnet_forward_steps", "/forward steps run on this node", ["mode"], registry=r)
         self.step_seconds = Histogram("meshnet_forward_compute_seconds", "Compute time of one /forward step",
                                       buckets=_SECONDS, registry=r)
+        self.batch_size = Histogram("meshnet_batch_size", "Steps run together in one forward on this node",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)
+        self.queue_wait = Histogram("meshnet_step_queue_wait_seconds", "How long a step waited for this node's "
+                                    "torch thread", buckets=_SECONDS, registry=r)
         r.register(_StoreCollector(store_stats))
 
     def render(self) -> bytes:
@@ -84,6 +88,11 @@ class Metrics:
     def step_done(self, mode: str | None, seconds: float) -> None:
         self.steps.labels(mode or "stateless").inc()
         self.step_seconds.observe(seconds)
+
+    def batch_done(self, size: int, waits: list[float]) -> None:
+        self.batch_size.observe(size)
+        for wait in waits:
+            self.queue_wait.observe(wait)
 
     def hop_done(self, url: str, mode: str | None, seconds: float) -> None:
         self.hop.labels(url, mode or "stateless").observe(seconds)

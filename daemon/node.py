@@ -67,7 +67,9 @@ class Node:
         metrics = Metrics(store.stats)
         service = ShardService.load(folder, start, end, store=store, kv_cache=config.kv_cache, threads=threads,
                                     share_cores=config.threads is None, dtype=config.dtype, device=config.device,
-                                    quantize=config.quantize, on_step=metrics.step_done)
+                                    quantize=config.quantize, on_step=metrics.step_done,
+                                    max_batch=config.max_batch, step_tokens=config.step_tokens,
+                                    on_batch=metrics.batch_done)
         return cls(config, service, metrics)
 
     @contextlib.asynccontextmanager

@@ -88,6 +88,16 @@ class Daemon:
         assert status == 200, (status, body)
         return body
 
+    def metrics(self) -> str:
+        """``GET /metrics``: Prometheus' text format."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            conn.request("GET", "/metrics", headers=headers)
+            return conn.getresponse().read().decode()
+        finally:
+            conn.close()
+
     def chat(self, body: dict, timeout: float = 600.0) -> tuple[int, dict]:
         return http_json("POST", self.url + "/v1/chat/completions", body, timeout=timeout, token=self.token)
 

@@ -14,11 +14,11 @@ import sys
 import pytest
 
 from daemon.bench import check_targets, mesh_row, window_tps
+from daemon.bench.mesh import counter_value
 from daemon.bench.reuse import (
     QUESTIONS,
     USER_TURNS,
     client_messages,
-    counter_value,
     group_row,
     ratio,
     shared_and_own,
@@ -60,7 +60,11 @@ def test_a_quick_run_measures_every_setup_and_writes_json(tiny_model, tmp_path):
             assert row["wire_bytes_per_hop_step"] > row["payload_bytes_per_hop_step"]  # HTTP framing counted
             assert row["setup"] in proc.stdout
     assert [s["sessions"] for s in result["sessions"]] == [1, 2]
-    assert all(s["aggregate_tps"] > 0 for s in result["sessions"])
+    for group in result["sessions"]:
+        assert group["aggregate_tps"] > 0 and 0 < group["itl_p50_ms"] <= group["itl_p95_ms"]
+        assert group["sessions_agree"] and len(group["mean_batch"]) == 2  # both nodes' steps per forward
+        assert all(1.0 <= b <= group["sessions"] for b in group["mean_batch"])
+    assert "mean batch" in proc.stdout
     assert result["targets"] and result["machine"]["cores"] >= 1
 
 

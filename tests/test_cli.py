@@ -102,6 +102,8 @@ OPTION_CASES = [
     (["--max-body-bytes", "2048"], "max_body_bytes", 2048),
     (["--max-tokens-cap", "100"], "max_tokens_cap", 100),
     (["--max-generations", "4"], "max_generations", 4),
+    (["--max-batch", "1"], "max_batch", 1),
+    (["--step-tokens", "64"], "step_tokens", 64),
     (["--shutdown-grace", "0"], "shutdown_grace_seconds", 0.0),
     (["--log-format", "json"], "log_format", "json"),
 ]

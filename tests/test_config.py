@@ -225,7 +225,8 @@ VALID = {
     "quantize": "int8", "prefix_reuse": "off", "wire_dtype": "bfloat16",
     "max_tokens_default": 64, "log_level": "debug", "public_url": "https://node.example:9",
     "route_explore": 0.5, "failover_wait_seconds": 5.0, "hop_timeout_seconds": 2.5, "token": "t" * 16,
-    "max_body_bytes": 2048, "max_tokens_cap": 100, "max_generations": 4, "shutdown_grace_seconds": 0.0,
+    "max_body_bytes": 2048, "max_tokens_cap": 100, "max_generations": 4, "max_batch": 1, "step_tokens": 16,
+    "shutdown_grace_seconds": 0.0,
     "log_format": "json",
 }
 
@@ -256,6 +257,8 @@ INVALID = {
     "max_body_bytes": [("env", "1023"), ("env", "64MiB"), ("cli", 0), ("toml", -1)],
     "max_tokens_cap": [("env", "0"), ("cli", -4), ("toml", 0)],
     "max_generations": [("env", "0"), ("cli", -1), ("toml", 0)],
+    "max_batch": [("env", "0"), ("cli", -2), ("toml", 0)],
+    "step_tokens": [("env", "8"), ("cli", 15), ("toml", "many")],
     "shutdown_grace_seconds": [("env", "-1"), ("env", "3601"), ("env", "nan"), ("toml", 4000)],
     "log_format": [("env", "xml"), ("cli", "yaml"), ("toml", "")],
 }
@@ -290,7 +293,8 @@ def test_environment_variable_names_are_unchanged():
         "MESHNET_DEVICE", "MESHNET_QUANTIZE", "MESHNET_PREFIX_REUSE",
         "MESHNET_WIRE_DTYPE", "MESHNET_MAX_TOKENS_DEFAULT", "MESHNET_LOG_LEVEL", "MESHNET_PUBLIC_URL",
         "MESHNET_ROUTE_EXPLORE", "MESHNET_FAILOVER_WAIT_SECONDS", "MESHNET_HOP_TIMEOUT_SECONDS", "MESHNET_TOKEN",
-        "MESHNET_MAX_BODY_BYTES", "MESHNET_MAX_TOKENS_CAP", "MESHNET_MAX_GENERATIONS",
+        "MESHNET_MAX_BODY_BYTES", "MESHNET_MAX_TOKENS_CAP", "MESHNET_MAX_BATCH", "MESHNET_STEP_TOKENS",
+        "MESHNET_MAX_GENERATIONS",
         "MESHNET_SHUTDOWN_GRACE_SECONDS", "MESHNET_LOG_FORMAT",
     ]
 

@@ -22,34 +22,67 @@ def keep_threads():
     torch.set_num_threads(threads)
 
 
-def test_daemons_share_the_cores_fairly_and_follow_daemons_that_come_and_go(tmp_path, keep_threads):
+def test_a_step_takes_the_cores_the_daemons_computing_with_it_leave(tmp_path, keep_threads):
     a = CoreShare(cores=4, folder=tmp_path)
-    assert a.adjust() == 4 and torch.get_num_threads() == 4  # alone on the host
+    with a.computing() as threads:
+        assert threads == 4 and torch.get_num_threads() == 4  # alone on the host
     b = CoreShare(cores=4, folder=tmp_path)  # a worker started without --peer: counted all the same
-    c = CoreShare(cores=4, folder=tmp_path)
-    assert b.adjust() == 1 and torch.get_num_threads() == 1  # 4 cores, 3 daemons
-    assert a.adjust() == 4  # a lists the folder at most once a second
-    a._scanned = float("-inf")  # as if a second had passed
-    assert a.adjust() == 1  # idle or not, the others hold their share
-    c.close()
+    with b.computing() as threads:
+        assert threads == 4  # a is idle: b's step takes every core
+        a._scanned = float("-inf")  # as if a second had passed: a lists the folder again and finds b
+        with a.computing() as threads:
+            assert threads == 2 and torch.get_num_threads() == 2 and a.computing_others == 1
+    with a.computing() as threads:
+        assert threads == 4  # b's step ended: a's next step has the host again
     b.close()
     a._scanned = float("-inf")
-    assert a.adjust() == 4
+    with a.computing():
+        assert a.computing_others == 0 and not a._others
     a.close()
     assert not list(tmp_path.iterdir())
 
 
-def test_three_daemons_on_two_cores_never_go_below_one_thread(tmp_path, keep_threads):
+def test_three_daemons_computing_on_two_cores_never_go_below_one_thread(tmp_path, keep_threads):
     shares = [CoreShare(cores=2, folder=tmp_path) for _ in range(3)]
-    assert [share.adjust() for share in shares] == [1, 1, 1]
+    with shares[0].computing(), shares[1].computing(), shares[2].computing() as threads:
+        assert threads == 1 and shares[2].computing_others == 2
+    for share in shares:
+        share.close()
+
+
+def test_a_daemon_that_dies_mid_step_leaves_no_lock_behind(tmp_path, keep_threads):
+    import subprocess
+    import sys
+
+    share = CoreShare(cores=2, folder=tmp_path)
+    code = ("import sys, time; from pathlib import Path; from daemon.model.cores import CoreShare; "
+            "s = CoreShare(cores=2, folder=Path(sys.argv[1])); step = s.computing(); step.__enter__(); "
+            "print('in', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "in"
+        with share.computing() as threads:
+            assert threads == 1  # the child holds its lock: it is computing
+    finally:
+        child.kill()
+        child.wait()
+    with share.computing() as threads:
+        assert threads == 2  # the kernel released the dead child's lock
+    share._scanned = float("-inf")
+    with share.computing():
+        assert not share._others  # and its file is gone at the next scan
+    assert [p.name for p in tmp_path.iterdir()] == [share._path.name]
+    share.close()
 
 
 def test_files_of_daemons_that_died_are_removed(tmp_path, keep_threads):
     dead = tmp_path / "999999999-deadbeef.daemon"  # no such pid
     dead.touch()
     share = CoreShare(cores=2, folder=tmp_path)
-    assert share.adjust() == 2
+    with share.computing() as threads:
+        assert threads == 2
     assert not dead.exists()
+    share.close()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

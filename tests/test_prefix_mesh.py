@@ -46,15 +46,9 @@ def converse(head: Daemon, reference_tokens, questions=QUESTIONS, system=SYSTEM)
 
 def reused_tokens(daemon: Daemon) -> float:
     """The head's ``meshnet_prompt_tokens_total{kind="reused"}``."""
-    import http.client
+    from daemon.bench.mesh import counter_value
 
-    from daemon.bench.reuse import counter_value
-
-    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=10)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    conn.close()
-    return counter_value(text, "meshnet_prompt_tokens_total", kind="reused")
+    return counter_value(daemon.metrics(), "meshnet_prompt_tokens_total", kind="reused")
 
 
 @pytest.fixture(scope="module")

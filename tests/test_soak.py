@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon.bench.mesh import percentile
 from tests.meshtest import Daemon, http_json, start_mesh
 
 pytestmark = pytest.mark.slow  # a long end-to-end run: in .ci/run, not in the fast subset
@@ -112,12 +113,6 @@ class StoreWatch:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, round(p / 100 * len(ordered) + 0.5) - 1))]
 
 
 @pytest.fixture

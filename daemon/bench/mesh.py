@@ -112,9 +112,9 @@ class Mesh:
         ended = time.perf_counter()
         return stats | {"text": "".join(parts), "ttft_ms": ((first_text or ended) - started) * 1000.0}
 
-    def metrics(self) -> str:
-        """The head's ``/metrics``, in Prometheus' text format."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5.0)
+    def metrics(self, port: int | None = None) -> str:
+        """A node's ``/metrics`` (the head's by default), in Prometheus' text format."""
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=5.0)
         try:
             conn.request("GET", "/metrics", headers=self.headers)
             resp = conn.getresponse()
@@ -211,17 +211,52 @@ def at_once(jobs: list[Callable[[], T]]) -> tuple[list[T], float]:
 
 
 def many_sessions(mesh: Mesh, sessions: int, tokens: int) -> dict:
-    """Aggregate tokens/s of ``sessions`` generations started together (every token over the wall time)."""
+    """``sessions`` generations started together: aggregate tokens/s (every token over the wall time), the
+    inter-token latencies the head saw (p50/p95 over every session's decode steps), each node's mean batch
+    (steps per forward over the run, from its ``/metrics``) and whether every session's tokens were the same."""
+    def batches() -> list[tuple[float, float]]:
+        texts = [mesh.metrics(port) for port in mesh.ports]
+        return [(counter_value(t, "meshnet_batch_size_count"), counter_value(t, "meshnet_batch_size_sum"))
+                for t in texts]
+
     progress = Progress(f"{mesh.name}, {sessions} concurrent session(s) of {tokens} tokens", sessions * tokens)
+    before = batches()
     try:
         results, wall = at_once([lambda: mesh.generate(tokens, progress)] * sessions)
     finally:
         progress.end()
+    after = batches()
     total = sum(s["completion_tokens"] for s in results)
+    gaps = [ms for s in results for ms in s["step_ms"]]
     return {
         "sessions": sessions,
         "tokens_each": tokens,
         "wall_s": wall,
         "aggregate_tps": total / wall,
         "mean_session_decode_tps": sum(s["decode_tokens_per_second"] for s in results) / len(results),
+        "itl_p50_ms": percentile(gaps, 50),
+        "itl_p95_ms": percentile(gaps, 95),
+        "mean_batch": [(s1 - s0) / (c1 - c0) if c1 > c0 else None for (c0, s0), (c1, s1) in zip(before, after)],
+        "token_ids": results[0]["token_ids"],
+        "sessions_agree": all(s["token_ids"] == results[0]["token_ids"] for s in results),
+        "load": os.getloadavg()[0],
     }
+
+
+def counter_value(metrics: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` in Prometheus' text format whose labels include ``labels``."""
+    total = 0.0
+    for line in metrics.splitlines():
+        sample, _, value = line.rpartition(" ")
+        metric, _, label_text = sample.partition("{")
+        if metric == name and all(f'{key}="{want}"' in label_text for key, want in labels.items()):
+            total += float(value)
+    return total
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile of ``values`` (nearest rank); None for none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, round(q / 100.0 * len(ordered) + 0.5) - 1))]

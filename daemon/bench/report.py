@@ -19,6 +19,8 @@ TARGET_OVERHEAD_MS = 3.0  # per hop per decode step, on loopback
 TARGET_EXTRA_BYTES = 512  # a decode hop's request may exceed hidden size x 4 bytes by this much
 TARGET_LAST_TURN_TTFT = 0.35  # a chat's last turn: TTFT with the mesh's prefix over TTFT computing it all
 TARGET_SHARED_COMPUTED = 1.3  # concurrent clients, one system prompt: prompt tokens computed over the least
+TARGET_SESSIONS_TPS = {4: 2.5, 8: 3.5}  # concurrent sessions: aggregate tok/s over one session's
+TARGET_SESSIONS_P95 = {4: 2.0}  # concurrent sessions: p95 inter-token latency over one session's
 
 
 def window_tps(step_ms: list[float], *, last: bool) -> float | None:
@@ -55,7 +57,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2}  # on the w
 
 
 def check_targets(rows: list[dict], hidden_size: int, *, multiturn: Sequence[dict] = (),
-                  shared_prefix: Sequence[dict] = ()) -> list[dict]:
+                  shared_prefix: Sequence[dict] = (), sessions: Sequence[dict] = ()) -> list[dict]:
     """Each target of the README's "Speed" section against this run's rows (where the run measured it),
     per precision: a bfloat16 mesh is held to generate in bfloat16, its hops to bfloat16's bytes.
     ``multiturn`` and ``shared_prefix``: the prompt-reuse rows (``daemon.bench.reuse``)."""
@@ -96,6 +98,16 @@ def check_targets(rows: list[dict], hidden_size: int, *, multiturn: Sequence[dic
         last = max((t for t in multiturn if t["precision"] == precision), key=lambda t: t["turn"])
         check(f"multiturn: turn {last['turn']} TTFT warm / cold", last["ttft_ratio"], TARGET_LAST_TURN_TTFT,
               at_least=False)
+    for precision in dict.fromkeys(g["precision"] for g in sessions):
+        by_count = {g["sessions"]: g for g in sessions if g["precision"] == precision}
+        one = by_count.get(1)
+        for count, group in by_count.items() if one else ():
+            if count in TARGET_SESSIONS_TPS:
+                check(f"{count} sessions: aggregate tok/s over one session's", group["aggregate_tps"] /
+                      one["aggregate_tps"], TARGET_SESSIONS_TPS[count], at_least=True)
+            if count in TARGET_SESSIONS_P95 and group["itl_p95_ms"] and one["itl_p95_ms"]:
+                check(f"{count} sessions: p95 inter-token latency over one session's",
+                      group["itl_p95_ms"] / one["itl_p95_ms"], TARGET_SESSIONS_P95[count], at_least=False)
     for group in shared_prefix:
         if group["reuse"]:
             precision = group["precision"]
@@ -128,11 +140,21 @@ def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floo
               f"{peaks or '-':>15} {_fmt(r.get('load'), '.2f', 5)}")
     if sessions:
         print()
-        print(f"{'concurrent sessions (2 nodes, cached)':<40} {'dtype':>8} {'tokens each':>11} {'wall s':>8} "
-              f"{'aggregate tok/s':>16}")
+        print("concurrent sessions, 2 nodes, cached: aggregate tok/s and inter-token latency (ITL) against one "
+              "session's; mean batch = steps per forward on each node")
+        print(f"{'sessions':>8} {'dtype':>8} {'tokens':>6} {'wall s':>7} {'agg tok/s':>9} {'vs 1':>5} "
+              f"{'ITL p50':>7} {'ITL p95':>7} {'p95 vs 1':>8} {'mean batch':>11} {'same':>4} {'load':>5}")
+        ones = {s.get("precision"): s for s in sessions if s["sessions"] == 1}
         for s in sessions:
-            print(f"{s['sessions']:<40} {s.get('precision', '-'):>8} {s['tokens_each']:>11} {s['wall_s']:>8.1f} "
-                  f"{s['aggregate_tps']:>16.2f}")
+            one = ones.get(s.get("precision"))
+            gain = s["aggregate_tps"] / one["aggregate_tps"] if one else None
+            p95 = s["itl_p95_ms"] / one["itl_p95_ms"] if one and s["itl_p95_ms"] and one["itl_p95_ms"] else None
+            same = s["sessions_agree"] and (one is None or s["token_ids"] == one["token_ids"])
+            batch = "/".join(_fmt(b, ".2f", 1) for b in s["mean_batch"])
+            print(f"{s['sessions']:>8} {s.get('precision', '-'):>8} {s['tokens_each']:>6} {s['wall_s']:>7.1f} "
+                  f"{s['aggregate_tps']:>9.2f} {_fmt(gain, '.2f', 4)}x {_fmt(s['itl_p50_ms'], '.1f', 7)} "
+                  f"{_fmt(s['itl_p95_ms'], '.1f', 7)} {_fmt(p95, '.2f', 7)}x {batch:>11} "
+                  f"{'yes' if same else 'NO':>4} {s['load']:>5.2f}")
     _print_reuse(multiturn, shared_prefix)
     print()
     print(f"loopback floor: a bare hop on the same HTTP stack with one hand-off to a worker thread costs "

@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from daemon.bench.mesh import Mesh, at_once
+from daemon.bench.mesh import Mesh, at_once, counter_value
 from daemon.bench.progress import Progress, say
 from daemon.mesh.prefix import common_prefix
 
@@ -203,17 +203,6 @@ def shared_and_own(prompts: Sequence[Sequence[int]]) -> tuple[int, list[int]]:
     for prompt in prompts[1:]:
         shared = common_prefix(prompts[0], prompt, shared)
     return shared, [len(p) - shared for p in prompts]
-
-
-def counter_value(metrics: str, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` in Prometheus' text format whose labels include ``labels``."""
-    total = 0.0
-    for line in metrics.splitlines():
-        sample, _, value = line.rpartition(" ")
-        metric, _, label_text = sample.partition("{")
-        if metric == name and all(f'{key}="{want}"' in label_text for key, want in labels.items()):
-            total += float(value)
-    return total
 
 
 def ratio(part: float | None, whole: float | None) -> float | None:

@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-threads", type=int, nargs="+",
                         help="torch threads of single-process generate; the fastest is the reference (default: "
                         "1 and every core: on a loaded host one thread can beat all of them)")
-    parser.add_argument("--sessions", type=int, default=4,
-                        help="concurrent sessions measured next to one on the cached 2-node mesh (0: skip; default 4)")
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8, 16],
+                        help="concurrent session counts measured on the cached 2-node mesh, each against one "
+                        "session (0: skip; default 1 4 8 16)")
     parser.add_argument("--session-tokens", type=int, default=128, help="new tokens per concurrent session")
     parser.add_argument("--clients", type=int, default=8,
                         help="concurrent clients of the shared-prefix setup (default 8)")
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     pause = sum(h["compute_ms"] for h in remote) / sum(h["steps"] for h in remote) if remote else 40.0
     say(f"loopback floor: a bare hop around a {pause:.0f} ms pause")
     floor = loopback_floor(pause)
-    checks = check_targets(rows, info.hidden_size, multiturn=multiturn, shared_prefix=shared_prefix)
+    checks = check_targets(rows, info.hidden_size, multiturn=multiturn, shared_prefix=shared_prefix,
+                           sessions=sessions)
     print_table(rows, sessions, checks, floor, multiturn=multiturn, shared_prefix=shared_prefix)
     host["load_average_at_end"] = os.getloadavg()
     out = {
@@ -200,15 +202,18 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
             continue
         name, specs = meshes[key]
         say(f"starting {name} in {precision}")
-        mesh = Mesh(name, specs, args.model, args.threads, node_args=_node_args(args, precision))
+        # room for every concurrent session, live or kept for reuse: no eviction shows up as a re-prefill
+        room = ["--kv-max-sessions", str(2 * max(args.sessions) + 2)] if key == "cached" else []
+        mesh = Mesh(name, specs, args.model, args.threads, node_args=_node_args(args, precision) + room)
         try:
             mesh.generate(4)  # warm-up: connections, route measurements, lazy loads
             for tokens in args.tokens:
                 measure_reference(tokens)  # right before the mesh it is compared with, so both see the same load
                 add(name, tokens, measure_mesh(mesh, tokens, 1 if key == "stateless" else args.repeat)
                     | {"nodes": mesh.memory()})
-            if key == "cached" and args.sessions > 0:
-                for count in (1, args.sessions):
+            counts = sorted({1, *args.sessions} - {0}) if any(args.sessions) else []
+            if key == "cached":
+                for count in counts:
                     sessions.append(many_sessions(mesh, count, args.session_tokens) | {"precision": precision})
         finally:
             mesh.stop()

@@ -1,27 +1,29 @@
-"""Sharing one host's cores among the meshd daemons on it.
+"""Sharing one host's cores among the meshd daemons on it, step by step.
 
-Several daemons on one host that each take every core oversubscribe it as soon
-as they compute at once (overlapping generations), and OpenMP threads then slow
-every daemon 3-5x. Counting only the peers a daemon was told about on loopback is
-not enough: a worker started without ``--peer`` next to its head would take every
-core. So every daemon registers a file in a per-user folder (``/tmp/meshnet-UID/
-cores``) for as long as it lives, and before each step sets its torch threads to
-``cores // daemons registered``: a fair share that follows daemons as they come
-and go (files of processes that died are removed).
+A two-node mesh on one host computes one step at a time while it serves one
+stream (the head's layers, then the tail's), and both at once while it serves
+several. The first wants every core for whichever node is computing; the second
+must not run two full OpenMP teams on the same cores, which slows every daemon
+3-5x. So each daemon registers a file in a per-user folder (``/tmp/meshnet-UID/
+cores``) for as long as it lives, holds an exclusive ``flock`` on it while a step
+computes, and before each step counts the other daemons holding theirs: its torch
+threads are ``cores // daemons computing now``. Files of processes that died are
+removed; a dead process's lock is released by the kernel.
 
-Why not lend idle daemons' cores to the one computing (a step runs on one node
-at a time)? Measured on a 2-core virtual machine, two threads per decode step
-were no faster than one (the step is memory-bound and waking OpenMP workers
-costs), and slower whenever other tenants kept the second core busy.
+Two daemons starting a step at the same moment each take their lock before they
+look, so at least one of them sees the other: at worst a step runs with a share
+too many threads, never both with every core.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -40,9 +42,9 @@ def default_folder() -> Path:
 
 
 class CoreShare:
-    """This daemon's torch threads: the host's cores shared fairly among the daemons registered on it.
+    """This daemon's torch threads: the host's cores shared among the daemons computing at each step.
 
-    Used from the node's one torch worker thread, before each step.
+    Used from the node's one torch worker thread, around each step (:meth:`computing`).
     """
 
     def __init__(self, *, cores: int | None = None, folder: Path | None = None) -> None:
@@ -50,41 +52,69 @@ class CoreShare:
         self.folder = folder or default_folder()
         self.folder.mkdir(parents=True, exist_ok=True)
         self._path = self.folder / f"{os.getpid()}-{uuid.uuid4().hex[:8]}.daemon"
-        self._path.touch(mode=0o600)
-        self.others = 0  # other daemons registered here at the last scan
+        self._fd = os.open(self._path, os.O_CREAT | os.O_RDWR, 0o600)
+        self._others: dict[str, int] = {}  # file name -> an open descriptor to test its lock with
         self._scanned = float("-inf")
         self.threads = 0  # what torch runs with now; 0 until the first step
+        self.computing_others = 0  # other daemons computing when this one's last step began
 
     def close(self) -> None:
-        """Leave the folder: the other daemons take this one's share at their next scan."""
+        """Leave the folder: the other daemons stop counting this one at their next scan."""
+        for fd in [self._fd, *self._others.values()]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._others.clear()
         with contextlib.suppress(OSError):
             self._path.unlink()
 
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[int]:
+        """Mark this daemon computing for the ``with`` block, with torch set to its share: yields the threads."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX)  # taken before looking at the others, see the module's note
+        try:
+            yield self.adjust()
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
     def adjust(self) -> int:
-        """Set torch's threads to this daemon's share (the folder is listed at most once a second)."""
+        """Set torch's threads to this daemon's share of the cores among the daemons computing now."""
         now = time.monotonic()
         if now - self._scanned >= RESCAN_SECONDS:
             self._scanned = now
-            self.others = self._count_others()
-        threads = max(1, self.cores // (1 + self.others))
+            self._rescan()
+        self.computing_others = sum(_locked(fd) for fd in self._others.values())
+        threads = max(1, self.cores // (1 + self.computing_others))
         if threads != self.threads:
             torch.set_num_threads(threads)
             self.threads = threads
         return threads
 
-    def _count_others(self) -> int:
+    def _rescan(self) -> None:
         try:
-            names = [n for n in os.listdir(self.folder) if n.endswith(".daemon") and n != self._path.name]
+            names = {n for n in os.listdir(self.folder) if n.endswith(".daemon") and n != self._path.name}
         except OSError:
-            return 0
-        alive = 0
-        for name in names:
-            if _alive(name):
-                alive += 1
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(self.folder / name)  # left by a daemon that died
-        return alive
+            names = set()
+        live = {name for name in names if _alive(name)}
+        for name in names - live:
+            with contextlib.suppress(OSError):
+                os.unlink(self.folder / name)  # left by a daemon that died
+        for name in set(self._others) - live:
+            with contextlib.suppress(OSError):
+                os.close(self._others.pop(name))
+        for name in live - set(self._others):
+            with contextlib.suppress(OSError):
+                self._others[name] = os.open(self.folder / name, os.O_RDONLY)
+
+def _locked(fd: int) -> bool:
+    """Whether another daemon holds its file's lock (is computing): a shared lock cannot be had then."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 def _alive(name: str) -> bool:

@@ -8,28 +8,32 @@ too (:meth:`ShardService.forward` with ``token_ids``): a local hop is the same s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from daemon import wire
 from daemon.api import MemoryInfo, Sampling, SessionInfo
-from daemon.errors import BadRequest
+from daemon.errors import BadRequest, CacheMiss
 from daemon.kvstore import SessionCacheStore
 from daemon.model.cores import CoreShare
 from daemon.model.device import checkpoint_dtype, dtype_name, resolve_device, resolve_dtype
 from daemon.model.quantize import check_quantization
-from daemon.model.shard import ModelShard, StepResult
+from daemon.model.shard import DecodeStep, ModelShard, StepResult
+from daemon.model.steps import AGAIN, Job, StepQueue
 from daemon.model.tensors import as_sent, to_activation, to_tensor
 from daemon.model.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
+MAX_CHUNK_RESTARTS = 2  # a prefill whose session is evicted between its chunks starts again at most this often
 BUSY_WINDOW_SECONDS = 10.0  # the share of time spent computing is reported over this window
 
 StepObserver = Callable[[str | None, float], None]  # (mode, seconds) of every step run
@@ -43,7 +47,9 @@ class ShardService:
     """
 
     def __init__(self, shard: ModelShard, store: SessionCacheStore, *, threads: int, share_cores: bool,
-                 kv_cache: bool, on_step: StepObserver | None = None) -> None:
+                 kv_cache: bool, on_step: StepObserver | None = None, max_batch: int = 1, step_tokens: int = 512,
+                 on_batch: Callable[[int, list[float]], None] | None = None,
+                 executor: ThreadPoolExecutor | None = None) -> None:
         self.shard = shard
         self.store = store
         self.start, self.end = shard.start, shard.end
@@ -54,7 +60,11 @@ class ShardService:
         self.fixed_threads = threads
         self.cores = _core_share() if share_cores else None
         self.on_step = on_step
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+        self.executor = executor or torch_thread()
+        # decode steps of sessions waiting here together run as one forward, where the layers allow it
+        self.max_batch = max_batch if shard.batch_refusal is None else 1
+        self.step_tokens = step_tokens  # a longer prompt runs in chunks of this many tokens
+        self.queue = StepQueue(self._run_jobs, self.run, max_batch=self.max_batch, on_batch=on_batch)
         self.active_steps = 0
         self.steps_served = 0
         self.tokens_served = 0
@@ -63,18 +73,29 @@ class ShardService:
     @classmethod
     def load(cls, folder: Path, start: int, end: int, *, store: SessionCacheStore, kv_cache: bool, threads: int,
              share_cores: bool, dtype: str = "float32", device: str = "cpu", quantize: str | None = None,
-             on_step: StepObserver | None = None) -> ShardService:
+             on_step: StepObserver | None = None, max_batch: int = 1, step_tokens: int = 512,
+             on_batch: Callable[[int, list[float]], None] | None = None) -> ShardService:
         """Load layers ``[start, end)`` of the model in ``folder`` (blocking), in ``dtype`` on ``device``
         (``--dtype`` and ``--device`` values: ``auto`` resolves against this machine and the checkpoint), its
         layers' weights quantized with ``quantize`` if given (checked before any weight is read)."""
-        torch.set_num_threads(threads)
         where = resolve_device(device)
         compute = resolve_dtype(dtype, where, checkpoint_dtype(folder))
         if quantize:
             check_quantization(quantize, compute, where)
-        shard = ModelShard(folder, start, end, head=start == 0, kv_cache=kv_cache, sessions=store,
-                           dtype=compute, device=where, quantize=quantize)
-        return cls(shard, store, threads=threads, share_cores=share_cores, kv_cache=kv_cache, on_step=on_step)
+
+        def load() -> ModelShard:
+            torch.set_num_threads(threads)
+            return ModelShard(folder, start, end, head=start == 0, kv_cache=kv_cache, sessions=store,
+                              dtype=compute, device=where, quantize=quantize)
+
+        executor = torch_thread()
+        try:  # loading runs torch too: on the thread every step will run on, see torch_thread
+            shard = executor.submit(load).result()
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(shard, store, threads=threads, share_cores=share_cores, kv_cache=kv_cache, on_step=on_step,
+                   max_batch=max_batch, step_tokens=step_tokens, on_batch=on_batch, executor=executor)
 
     @property
     def dtype(self) -> str:
@@ -121,32 +142,45 @@ class ShardService:
                      request.activation.shape[1], request.start_layer)
         self.active_steps += 1
         try:
-            result, out, seconds = await self.run(self._step, request, token_ids)
+            done: Computed = await self.queue.submit(request, token_ids)
         finally:
             self.active_steps -= 1
         self.steps_served += 1
         self.tokens_served += request.activation.shape[1]
-        self._compute_log.append((time.monotonic(), seconds))
+        self._compute_log.append((time.monotonic(), done.share))
         if self.on_step is not None:
-            self.on_step(request.mode, seconds)
-        compute_ms = seconds * 1000.0
-        if out is not None:
-            return wire.ForwardReply(activation=out, compute_ms=compute_ms)
-        return wire.ForwardReply(token_id=result.token_id, text=result.text, compute_ms=compute_ms)
+            self.on_step(request.mode, done.seconds)
+        compute_ms = done.seconds * 1000.0
+        if done.out is not None:
+            return wire.ForwardReply(activation=done.out, compute_ms=compute_ms)
+        return wire.ForwardReply(token_id=done.result.token_id, text=done.result.text, compute_ms=compute_ms)
 
-    def _step(self, request: wire.ForwardRequest,
-              token_ids: list[int] | None) -> tuple[StepResult, wire.Activation | None, float]:
-        """One step on the torch worker: the hidden states from the request's bytes, or embedded here."""
-        if self.cores is not None:
-            self.cores.adjust()
-        started = time.perf_counter()
+    def _run_jobs(self, jobs: list[Job]) -> list[Computed | Exception]:
+        """A batch the queue took, on the torch thread: each job's outcome, a failure its own."""
+        with self.cores.computing() if self.cores is not None else contextlib.nullcontext():
+            if len(jobs) == 1:
+                job = jobs[0]
+                try:
+                    if self._in_chunks(job.request):
+                        return [self._compute_chunk(job)]
+                    return [self._compute(job.request, job.token_ids)]
+                except Exception as exc:  # noqa: BLE001 - raised to the step's own handler
+                    return [exc]
+            return self._compute_batch(jobs)
+
+    def _hidden(self, request: wire.ForwardRequest, token_ids: list[int] | None) -> torch.Tensor:
+        """A step's hidden states, from the request's bytes or embedded here."""
         if token_ids is None:
-            hidden = to_tensor(request.activation, compute_dtype=self.shard.dtype, device=self.shard.device)
-        else:  # rounded as the wire would have rounded it, so a local first hop changes nothing
-            hidden = as_sent(self.shard.embed(token_ids), wire_dtype=request.activation.dtype,
-                             compute_dtype=self.shard.dtype)
+            return to_tensor(request.activation, compute_dtype=self.shard.dtype, device=self.shard.device)
+        # rounded as the wire would have rounded it, so a local first hop changes nothing
+        return as_sent(self.shard.embed(token_ids), wire_dtype=request.activation.dtype,
+                       compute_dtype=self.shard.dtype)
+
+    def _compute(self, request: wire.ForwardRequest, token_ids: list[int] | None) -> Computed:
+        """One step alone."""
+        started = time.perf_counter()
         result = self.shard.step(
-            hidden,
+            self._hidden(request, token_ids),
             mode=request.mode,
             session_id=request.session_id,
             past_len=request.past_len,
@@ -158,7 +192,66 @@ class ShardService:
         seconds = time.perf_counter() - started
         # the reply travels in the dtype the request came in, serialised here rather than on the event loop
         out = to_activation(result.hidden, dtype=request.activation.dtype) if result.hidden is not None else None
-        return result, out, seconds
+        return Computed(result, out, seconds, seconds)
+
+    def _in_chunks(self, request: wire.ForwardRequest) -> bool:
+        """Whether a step is a prompt longer than a step's token budget, on a node keeping its session."""
+        return (request.mode in ("prefill", "decode") and self.shard.sessions is not None
+                and request.activation.shape[1] > self.step_tokens)
+
+    def _compute_chunk(self, job: Job) -> Computed | object:
+        """The next ``step_tokens`` of a long prompt: :data:`AGAIN` until the last, then the whole step's outcome
+        (the hidden states of every position, or the tail's token)."""
+        r = job.request
+        chunks: _Chunks = job.progress or _Chunks(self._hidden(r, job.token_ids))
+        job.progress = chunks
+        started = time.perf_counter()
+        first = chunks.done == 0
+        base = 0 if r.mode == "prefill" else r.past_len  # an extended session starts where it was
+        part = chunks.hidden[:, chunks.done:chunks.done + self.step_tokens]
+        try:
+            result = self.shard.step(part, mode=r.mode if first else "decode", session_id=r.session_id,
+                                     past_len=base + chunks.done, start_layer=r.start_layer,
+                                     sampling=Sampling(**r.sampling), prefix=r.prefix if first else None,
+                                     take_prefix=r.take_prefix and first)
+        except CacheMiss:
+            # evicted between two chunks of a prefill: the prompt from its start, here, rather than a failed step
+            if first or r.mode != "prefill" or chunks.restarts >= MAX_CHUNK_RESTARTS:
+                raise
+            chunks.restart()
+            return AGAIN
+        chunks.seconds += time.perf_counter() - started
+        chunks.done += part.shape[1]
+        if result.hidden is not None:
+            chunks.parts.append(result.hidden)
+        if chunks.done < chunks.hidden.shape[1]:
+            return AGAIN
+        out = to_activation(torch.cat(chunks.parts, dim=1), dtype=r.activation.dtype) if chunks.parts else None
+        return Computed(result, out, chunks.seconds, chunks.seconds)
+
+    def _compute_batch(self, jobs: list[Job]) -> list[Computed | Exception]:
+        """Decode steps of several sessions as one forward (``ModelShard.step_batch``)."""
+        started = time.perf_counter()
+        outcomes: list[Computed | Exception | None] = [None] * len(jobs)
+        steps, rows = [], []
+        for i, job in enumerate(jobs):
+            r = job.request
+            try:
+                steps.append(DecodeStep(self._hidden(r, job.token_ids), r.session_id, r.past_len,
+                                        Sampling(**r.sampling)))
+                rows.append(i)
+            except Exception as exc:  # noqa: BLE001 - that step's own error
+                outcomes[i] = exc
+        results = self.shard.step_batch(steps, start_layer=jobs[0].request.start_layer) if steps else []
+        seconds = time.perf_counter() - started
+        for i, result in zip(rows, results):
+            if isinstance(result, Exception):
+                outcomes[i] = result
+                continue
+            dtype = jobs[i].request.activation.dtype
+            out = to_activation(result.hidden, dtype=dtype) if result.hidden is not None else None
+            outcomes[i] = Computed(result, out, seconds, seconds / len(jobs))
+        return outcomes
 
     def busy(self) -> float:
         """The share of the last few seconds this node spent computing steps, 0..1: its load."""
@@ -202,6 +295,31 @@ class ShardService:
         return self.store.retain(session_id)
 
 
+@dataclass
+class Computed:
+    """A step's outcome on the torch thread: ``seconds`` its forward took (its batch's), ``share`` its part."""
+
+    result: StepResult
+    out: wire.Activation | None
+    seconds: float
+    share: float
+
+
+@dataclass
+class _Chunks:
+    """A long prompt's way through the node, a token budget per turn of the queue."""
+
+    hidden: torch.Tensor  # the whole step's input
+    done: int = 0  # positions computed so far
+    parts: list[torch.Tensor] = field(default_factory=list)  # their outputs (none on the tail)
+    seconds: float = 0.0
+    restarts: int = 0
+
+    def restart(self) -> None:
+        self.done, self.restarts = 0, self.restarts + 1
+        self.parts.clear()
+
+
 def _proc_status_bytes(field: str) -> int | None:
     """A ``kB`` line of /proc/self/status in bytes (``VmHWM``: the peak resident set); None where there is none."""
     try:
@@ -212,6 +330,17 @@ def _proc_status_bytes(field: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+def torch_thread() -> ThreadPoolExecutor:
+    """The one OS thread a node runs torch on: loading, every step, embedding.
+
+    OpenMP (libgomp) gives every OS thread that enters a parallel region a team of its own. Two teams in one
+    process are more threads than a small host's cores, and libgomp then stops spinning between regions: each of
+    a step's hundreds of small parallel regions waits on a futex wake-up, and a step with two threads runs no
+    faster than with one. So torch never runs on the event loop's thread, nor on a second worker.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
 
 
 def _core_share() -> CoreShare | None:

@@ -11,10 +11,12 @@ weight conversion, so checkpoints whose layout differs from the module layout
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import torch
 from daemon.api import Sampling
 from daemon.errors import BadRequest, CacheMiss, ModelUnavailable
 from daemon.kvstore import SessionCacheStore
+from daemon.model.batching import SessionBatch, batched_attention, batching_refusal
 from daemon.model.quantize import parameter_bytes, quantize_layers
 from daemon.model.sampling import sample_token
 from daemon.model.tokenizer import ChatTokenizer
@@ -73,6 +76,16 @@ class ModelInfo:
     hidden_size: int
     vocab_size: int
     fingerprint: str
+
+
+@dataclass
+class DecodeStep:
+    """One session's one-position decode step, as a batch takes it."""
+
+    hidden: torch.Tensor  # [1, 1, hidden]
+    session_id: str
+    past_len: int
+    sampling: Sampling
 
 
 @dataclass
@@ -165,6 +178,12 @@ class ModelShard:
         if kv_cache and not self.supports_kv_cache:
             log.warning("layers of %s reject the cache arguments; this node runs stateless", self.info.model_type)
             self.sessions = None
+        # why decode steps of several sessions cannot run as one forward here; None when they can
+        self.batch_refusal = batching_refusal(self.layer_types[start:end], caches=self.sessions is not None)
+        if self.batch_refusal is None:
+            self.batch_refusal = self._probe_batching()
+        if self.batch_refusal:
+            log.info("sessions' steps run one at a time on this node: %s", self.batch_refusal)
 
     # ---- loading ---------------------------------------------------------------------------
 
@@ -420,29 +439,36 @@ class ModelShard:
         """One /forward step: ``mode`` is ``"prefill"``, ``"decode"`` or ``None`` (stateless). A decode step
         over several positions extends the session; with ``prefix`` the session is first made from the first
         ``past_len`` positions of that session's cache (copied, or taken over with ``take_prefix``)."""
-        if not (self.start <= start_layer < self.end):
-            raise BadRequest(
-                f"start layer {start_layer} is outside this node's layers {self.start}-{self.end - 1}",
-                param="X-Meshnet-Start-Layer",
-            )
+        self._check_start_layer(start_layer)
         cache = None
         if mode == "decode":
-            if self.sessions is None:
-                if self._stats_store is not None:
-                    self._stats_store.record_miss("cache_disabled")
-                raise CacheMiss("cache_disabled", "this node runs stateless; prefill instead")
-            if prefix is not None:
-                from daemon.model.kvcache import cut_back
-
-                self.sessions.derive(session_id, prefix, keep=past_len, start_layer=start_layer, take=take_prefix,
-                                     cut=cut_back, nbytes=cache_nbytes)
-            cache = self.sessions.checkout(session_id, past_len=past_len, start_layer=start_layer).cache
+            cache = self._session_cache(session_id, past_len=past_len, start_layer=start_layer, prefix=prefix,
+                                        take_prefix=take_prefix)
         elif mode == "prefill":
             past_len = 0
             if self.sessions is not None:
                 cache = self.new_cache()
         else:
             past_len = 0
+        return self._run_step(hidden, cache=cache, mode=mode, session_id=session_id, past_len=past_len,
+                              start_layer=start_layer, sampling=sampling)
+
+    def _session_cache(self, session_id: str, *, past_len: int, start_layer: int, prefix: str | None = None,
+                       take_prefix: bool = False):
+        """The cache a decode step of ``session_id`` continues, or :class:`CacheMiss` saying why there is none."""
+        if self.sessions is None:
+            if self._stats_store is not None:
+                self._stats_store.record_miss("cache_disabled")
+            raise CacheMiss("cache_disabled", "this node runs stateless; prefill instead")
+        if prefix is not None:
+            from daemon.model.kvcache import cut_back
+
+            self.sessions.derive(session_id, prefix, keep=past_len, start_layer=start_layer, take=take_prefix,
+                                 cut=cut_back, nbytes=cache_nbytes)
+        return self.sessions.checkout(session_id, past_len=past_len, start_layer=start_layer).cache
+
+    def _run_step(self, hidden: torch.Tensor, *, cache, mode: str | None, session_id: str | None, past_len: int,
+                  start_layer: int, sampling: Sampling) -> StepResult:
         new_len = past_len + hidden.shape[1]
         try:
             out = self.run_layers(hidden, start_layer=start_layer, past_len=past_len, cache=cache)
@@ -463,6 +489,113 @@ class ModelShard:
             else:
                 self.sessions.commit(session_id, past_len=new_len, nbytes=cache_nbytes(cache))
         return result
+
+    def step_batch(self, steps: Sequence[DecodeStep], *, start_layer: int) -> list[StepResult | Exception]:
+        """One-position decode steps of several sessions as one forward (:mod:`daemon.model.batching`), each
+        outcome in the order given: a result, or the error of that session alone (a cache miss, say)."""
+        self._check_start_layer(start_layer)
+        outcomes: list[StepResult | Exception | None] = [None] * len(steps)
+        ready: list[tuple[int, object]] = []
+        for i, step in enumerate(steps):
+            try:
+                ready.append((i, self._session_cache(step.session_id, past_len=step.past_len,
+                                                     start_layer=start_layer)))
+            except (CacheMiss, BadRequest) as exc:
+                outcomes[i] = exc
+        if len(ready) == 1:  # the others missed: a single step, exactly as one arriving alone runs
+            (i, cache), = ready
+            step = steps[i]
+            try:
+                outcomes[i] = self._run_step(step.hidden, cache=cache, mode="decode", session_id=step.session_id,
+                                             past_len=step.past_len, start_layer=start_layer, sampling=step.sampling)
+            except Exception as exc:  # noqa: BLE001 - that session's error, reported to its request
+                outcomes[i] = exc
+        elif ready:
+            self._run_batch(steps, ready, start_layer, outcomes)
+        return outcomes
+
+    def _run_batch(self, steps: Sequence[DecodeStep], ready: list[tuple[int, object]], start_layer: int,
+                   outcomes: list) -> None:
+        rows = [steps[i] for i, _ in ready]
+        hidden = torch.cat([step.hidden for step in rows], dim=1)  # [1, B, hidden]: one position per session
+        positions = torch.tensor([[step.past_len for step in rows]], device=hidden.device)
+        try:
+            out = self.run_batch(hidden, start_layer=start_layer, position_ids=positions,
+                                 caches=[cache for _, cache in ready])
+            if self.is_tail:
+                logits = self.logits_rows(out).cpu()
+                results = []
+                for row, step in enumerate(rows):
+                    token_id = sample_token(logits[row], step.sampling, position=step.past_len + 1)
+                    results.append(StepResult(token_id=token_id, text=self.tokenizer.token_text(token_id)))
+            else:
+                results = [StepResult(hidden=out[:, row:row + 1]) for row in range(len(rows))]
+        except Exception as exc:  # noqa: BLE001 - every session of the batch gets it; their caches are dropped
+            log.exception("a batched step of %d sessions failed", len(rows))
+            for (i, _), step in zip(ready, rows):
+                self.sessions.drop(step.session_id)  # the cache may hold part of this step now
+                outcomes[i] = exc
+            return
+        for (i, cache), step, result in zip(ready, rows, results):
+            self.sessions.commit(step.session_id, past_len=step.past_len + 1, nbytes=cache_nbytes(cache))
+            outcomes[i] = result
+
+    @torch.inference_mode()
+    def run_batch(self, hidden: torch.Tensor, *, start_layer: int, position_ids: torch.Tensor,
+                  caches: Sequence) -> torch.Tensor:
+        """Layers ``[start_layer, end)`` over ``hidden [1, B, hidden]``: row ``i`` is one new position of the
+        session whose cache is ``caches[i]``, at ``position_ids[0, i]``. Full-attention layers only."""
+        layers = [self._layers[i] for i in range(start_layer, self.end)]
+        position_embeddings = self._rotary(hidden, position_ids, {"full_attention"})["full_attention"]
+        batch = SessionBatch(caches)
+        with batched_attention(layers):
+            for layer in layers:
+                hidden = layer(hidden, attention_mask=None, position_ids=position_ids,
+                               position_embeddings=position_embeddings, cache=batch, use_cache=True)
+        return hidden
+
+    @torch.inference_mode()
+    def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on every position of ``hidden [1, B, hidden]``: logits ``[B, vocab]``."""
+        logits = self.model.lm_head(self.model.model.norm(hidden))[0]
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def _check_start_layer(self, start_layer: int) -> None:
+        if not (self.start <= start_layer < self.end):
+            raise BadRequest(
+                f"start layer {start_layer} is outside this node's layers {self.start}-{self.end - 1}",
+                param="X-Meshnet-Start-Layer",
+            )
+
+    def _probe_batching(self) -> str | None:
+        """Run two sessions' decode steps batched and alone; None when they agree, else why this shard must not
+        batch (raised, or differing by more than float rounding)."""
+        generator = torch.Generator().manual_seed(0)
+
+        def states(tokens: int) -> torch.Tensor:
+            return (torch.randn(1, tokens, self.info.hidden_size, generator=generator) * 0.5).to(self.dtype).to(
+                self.device)
+
+        prompts, steps = [states(3), states(5)], [states(1), states(1)]
+        try:
+            caches = [self.new_cache() for _ in prompts]
+            for cache, prompt in zip(caches, prompts):
+                self.run_layers(prompt, start_layer=self.start, past_len=0, cache=cache)
+            alone = [self.run_layers(step, start_layer=self.start, past_len=prompt.shape[1], cache=copy.deepcopy(c))
+                     for step, prompt, c in zip(steps, prompts, caches)]
+            positions = torch.tensor([[prompt.shape[1] for prompt in prompts]], device=self.device)
+            together = self.run_batch(torch.cat(steps, dim=1), start_layer=self.start, position_ids=positions,
+                                      caches=caches)
+        except Exception as exc:  # noqa: BLE001 - any failure means: run its steps one at a time
+            return f"a batched step failed on these layers ({type(exc).__name__}: {exc})"
+        want = torch.cat(alone, dim=1).float()
+        diff = (together.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+        if not diff <= 1e-2:
+            return f"a batched step differs from single steps by {diff:.2g} of the hidden states' scale"
+        return None
 
     def _probe_kv_cache(self) -> bool:
         """Check once that the layers take and fill a cache; models that ignore it run stateless."""

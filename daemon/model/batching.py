@@ -1,0 +1,111 @@
+"""Decode steps of several sessions as one forward over a node's layers.
+
+At batch size 1 a decode step is a row of matrix-vector products: it reads every
+weight of its layers to compute one token. Steps of B sessions waiting at a node
+together run as one forward over ``[1, B, hidden]``: the projections and MLPs read
+each weight once for all B rows. Attention is the one part that differs per row
+(each session has its own past, of its own length), so it runs per session, over
+that session's own cache, with transformers' own SDPA attention:
+
+- :class:`SessionBatch` stands in for the layers' cache. Each layer hands it the
+  new keys and values of all rows; it appends row ``i`` to session ``i``'s own
+  ``DynamicCache`` (in place, :mod:`daemon.model.kvcache`) and leaves the
+  per-session keys and values in the attention call's keyword arguments.
+- :func:`session_attention` is registered with transformers' ``AttentionInterface``
+  and selected for the batched forward only (:func:`batched_attention`): it runs
+  SDPA for row ``i`` against session ``i``'s keys and values.
+
+Each session's cache stays the ordinary one its single steps use, so sessions join
+and leave a batch at any step with no copy, and a cache miss affects only its own
+session. Rotary embeddings are applied per row from each row's own position.
+
+Full-attention layers only: a sliding window would need a mask per row and a
+recurrent state is updated in place by the layer itself, so a shard with other
+layer types runs its sessions one at a time (:func:`batching_refusal`).
+
+Exactness: rows of a batched matrix product are not bitwise those of single-row
+products (kernel blocking differs with the row count), so a batched step's logits
+can differ from a single step's by float rounding; ``tests/test_batching.py``
+measures the difference and holds it to a bound. ``--max-batch 1`` runs every step
+alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+BATCH_ATTENTION = "meshnet_sessions"
+
+
+class SessionBatch:
+    """The cache a batched forward passes its layers: row ``i`` of each update belongs to ``caches[i]``."""
+
+    def __init__(self, caches: Sequence) -> None:
+        self.caches = caches
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               kwargs: dict | None = None, **more) -> tuple[torch.Tensor, torch.Tensor]:
+        held = [cache.update(key_states[:, :, i:i + 1], value_states[:, :, i:i + 1], layer_idx)
+                for i, cache in enumerate(self.caches)]
+        if kwargs is None:
+            raise RuntimeError("the layer passes no attention keyword arguments to its cache: it cannot batch")
+        kwargs["session_kv"] = held  # the attention call of the same layer receives these
+        return key_states, value_states
+
+
+def session_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, *, session_kv: Sequence | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of row ``i`` of ``query [1, heads, B, dim]`` over session ``i``'s keys and values, each as a
+    single step's SDPA runs it. Returns ``[1, B, heads, dim]`` as transformers' attention functions do."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if session_kv is None:
+        raise RuntimeError("batched attention without the sessions' keys and values")
+    # latent attention (DeepSeek-V3, GLM-4.5) caches compressed latents and expands them after the update
+    expand = getattr(module, "expand_kv", None)
+    rows = [sdpa_attention_forward(module, query[:, :, i:i + 1], *(expand(*held) if expand else held), None,
+                                   **kwargs)[0]
+            for i, held in enumerate(session_kv)]
+    return torch.cat(rows, dim=1), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(BATCH_ATTENTION, session_attention)
+
+
+_register()
+
+
+@contextlib.contextmanager
+def batched_attention(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Select :func:`session_attention` in ``layers`` for the ``with`` block, then restore what they had.
+
+    Layers read the attention implementation from their config at every call; the node runs one forward at a
+    time on its torch thread, so switching it around a batched forward touches no other step."""
+    configs = {id(m.config): m.config for layer in layers for m in layer.modules()
+               if hasattr(m, "layer_idx") and hasattr(m, "config")}
+    before = {key: config._attn_implementation for key, config in configs.items()}
+    try:
+        for config in configs.values():
+            config._attn_implementation = BATCH_ATTENTION
+        yield
+    finally:
+        for key, config in configs.items():
+            config._attn_implementation = before[key]
+
+
+def batching_refusal(layer_types: Sequence[str], *, caches: bool) -> str | None:
+    """Why a shard with these hosted layer types cannot batch sessions' steps; None when it can."""
+    if not caches:
+        return "the node keeps no session caches (stateless): every step carries its whole sequence"
+    others = sorted(set(layer_types) - {"full_attention"})
+    if others:
+        return (f"its layers include {', '.join(others)}: batched steps run full-attention layers only "
+                "(a sliding window needs a mask per row, a recurrent state is updated in place by its layer)")
+    return None

@@ -1,0 +1,75 @@
+"""Concurrent streams through a real two-node mesh batch their decode steps and keep their tokens.
+
+Issue 15, "exactness" end to end: several clients at once, each with a prompt of its own, through two
+``meshd`` processes on loopback. Every stream's tokens equal ``generate``'s for its prompt alone, while
+both nodes' ``/metrics`` show decode steps that ran in batches; with ``--max-batch 1`` every step ran alone.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from daemon.bench.mesh import counter_value
+from tests.meshtest import start_mesh
+
+pytestmark = pytest.mark.slow  # two meshes of real daemons: in .ci/run, not in the fast subset
+
+PROMPTS = [  # not the prompts the batching was developed on: a held-out set
+    "Name two planets.",
+    "What is a prime number?",
+    "Give me a word that rhymes with cat.",
+    "Why do leaves fall in autumn?",
+    "Suggest a name for a boat.",
+    "How many legs does a spider have?",
+]
+TOKENS = 20
+
+
+def streams_at_once(head, prompts: list[str]) -> list[dict]:
+    results: list = [None] * len(prompts)
+    start = threading.Barrier(len(prompts))
+
+    def one(i: int, prompt: str) -> None:
+        start.wait()
+        status, body = head.chat({"messages": [{"role": "user", "content": prompt}], "max_tokens": TOKENS,
+                                  "temperature": 0, "ignore_eos": True}, timeout=300)
+        results[i] = body if status == 200 else {"error": (status, body)}
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    return results
+
+
+def batch_counts(daemon) -> tuple[float, float]:
+    """(forwards run, steps run in them) on this node."""
+    text = daemon.metrics()
+    return counter_value(text, "meshnet_batch_size_count"), counter_value(text, "meshnet_batch_size_sum")
+
+
+@pytest.mark.parametrize("max_batch", [16, 1])
+def test_streams_at_once_batch_on_both_nodes_and_each_gets_generates_tokens(max_batch, default_model,
+                                                                            reference_tokens, tmp_path):
+    extra = ["--max-batch", str(max_batch)]
+    mesh = start_mesh(default_model, [("0-14", extra), ("15-29", extra)], log_dir=tmp_path)
+    try:
+        results = streams_at_once(mesh[0], PROMPTS)
+        for prompt, body in zip(PROMPTS, results):
+            assert "error" not in body, body
+            want = reference_tokens([{"role": "user", "content": prompt}], TOKENS, True)
+            assert body["meshnet"]["token_ids"] == want, prompt
+        for node in mesh:
+            forwards, steps = batch_counts(node)
+            assert steps >= len(PROMPTS) * TOKENS  # every step of every stream ran on both nodes
+            if max_batch == 1:
+                assert forwards == steps, (node.layers, forwards, steps)
+            else:  # six streams at once: most steps shared a forward with another stream's
+                assert steps / forwards >= 1.5, (node.layers, forwards, steps)
+            assert "unhandled error" not in node.log()
+    finally:
+        for d in mesh:
+            d.stop()
