@@ -18,6 +18,7 @@ from daemon import __version__
 from daemon.config import SETTINGS, ConfigError, default_config_path, default_threads, is_loopback, load_config
 
 STOP_WAIT_SECONDS = 2.0  # after the grace: how long generations get to reach their next step and end
+GOMP_SPINS = 100_000  # libgomp spins about 100,000 times a millisecond
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -126,8 +127,11 @@ def load_node(argv: list[str]):
                      "WARNING: on every node) or bind 127.0.0.1."):
             _say(line)
     threads = config.threads or default_threads(config)
-    # before torch is imported: idle OpenMP workers must sleep, not spin on cores another daemon needs
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # before torch is imported: OpenMP workers spin about 1 ms after a parallel region, then sleep. A step
+    # runs hundreds of small regions a few microseconds apart: a worker that slept after each one (as with
+    # OMP_WAIT_POLICY=PASSIVE) costs a futex wake-up per region, a fifth of a step's time; one that spun for
+    # libgomp's default 3 ms would keep a core from the co-located daemon computing next.
+    os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINS))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
     from daemon.errors import ModelUnavailable

@@ -1,6 +1,6 @@
 """Profile a two-node mesh while it generates: where each daemon's CPU time goes, per Python function.
 
-    .venv/bin/python scripts/profile_mesh.py [--tokens 256] [--model M] [--out bench-results/profile]
+    .venv/bin/python scripts/profile_mesh.py [--tokens 256] [--sessions N] [--model M] [--out bench-results/profile]
 
 Starts two ``meshd`` on 127.0.0.1 (as ``meshd bench`` does), attaches ``py-spy record`` to both
 for one greedy generation, and prints each daemon's busiest functions by own time and by time
@@ -21,10 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemon.bench import Mesh  # noqa: E402
+from daemon.bench.mesh import at_once  # noqa: E402
 
 # a stack's share is booked to the group of its innermost frame that matches one
 GROUPS = (
-    ("torch layers", ("run_layers", "logits_last", "embed (daemon")),
+    ("torch layers", ("run_layers", "run_batch", "logits_last", "logits_rows", "embed (daemon")),
     ("sampling", ("sample_token",)),
     ("serialisation", ("to_activation", "to_tensor", "parse_activation", "as_sent")),
     ("HTTP client", ("aiohttp/client", "HopClient", "mesh/transport")),
@@ -72,6 +73,7 @@ def summarise(path: Path, top: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--sessions", type=int, default=1, help="generations at once (default 1)")
     parser.add_argument("--model")
     parser.add_argument("--top", type=int, default=12, help="functions listed by own time per daemon")
     parser.add_argument("--out", default="bench-results/profile")
@@ -94,14 +96,15 @@ def main() -> int:
                  "--output", str(out / f"{role}.txt"), "--nonblocking"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(1.0)  # py-spy attaches
-        stats = mesh.generate(args.tokens)
+        results, _ = at_once([lambda: mesh.generate(args.tokens)] * args.sessions)
+        stats = results[0]
     finally:
         for spy in spies:
             spy.send_signal(2)  # py-spy writes its file on SIGINT
         for spy in spies:
             spy.wait(30)
         mesh.stop()
-    print(f"{args.tokens} tokens, decode {stats['decode_tokens_per_second']:.2f} tok/s")
+    print(f"{args.sessions} x {args.tokens} tokens, decode {stats['decode_tokens_per_second']:.2f} tok/s each")
     for role in ("head", "tail"):
         print()
         print(summarise(out / f"{role}.txt", args.top))

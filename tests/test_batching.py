@@ -82,6 +82,7 @@ def built_in(default_model):
     return ModelShard(default_model, 0, 30, kv_cache=True, sessions=store())
 
 
+@pytest.mark.slow  # 4 sessions x 24 steps, each alone and batched: in .ci/run; the tiny llama runs in the fast set
 def test_sessions_decoding_together_get_their_own_tokens_within_the_logit_bound(built_in):
     steps = 24
     together, batched_logits = run_together(built_in, PROMPTS, steps)
@@ -253,3 +254,55 @@ def test_a_failed_step_fails_only_its_own_request():
 
     bad, good = asyncio.run(scenario())
     assert isinstance(bad, ValueError) and good == "ok"
+
+
+# ---- long prompts on a node: a token budget per step --------------------------------------------------------
+
+
+def test_a_long_prompt_runs_in_chunks_with_a_decode_step_between_and_ends_as_one_prefill(built_in):
+    """With a budget of 16 tokens a step, a 60-token prefill runs in 4 chunks; a decode step of another session
+    arriving after it finishes first (it waits one chunk, not the prompt), and the prefill ends with the token
+    and the session length of the same prompt prefilled whole (a chunked prefill is within float rounding)."""
+    from daemon import wire
+    from daemon.model.service import ShardService
+    from daemon.model.tensors import to_activation
+
+    shard = built_in
+    prompt = (PROMPTS[0] + PROMPTS[2] + PROMPTS[1] + PROMPTS[0] + PROMPTS[2] + PROMPTS[2])[:60]
+    assert len(prompt) == 60
+    whole = shard.step(shard.embed(prompt), mode="prefill", session_id="whole", past_len=0, start_layer=0,
+                       sampling=GREEDY).token_id
+    first = shard.step(shard.embed(PROMPTS[1]), mode="prefill", session_id="decoding", past_len=0, start_layer=0,
+                       sampling=GREEDY).token_id
+    service = ShardService(shard, shard.sessions, threads=2, share_cores=False, kv_cache=True, max_batch=16,
+                           step_tokens=16)
+
+    def forward(hidden, *, mode, session, past_len):
+        return wire.ForwardRequest(activation=to_activation(hidden), mode=mode, session_id=session,
+                                   past_len=past_len, start_layer=0, hop_index=0)
+
+    async def scenario():
+        finished = []
+
+        async def run(name, request):
+            reply = await service.forward(request)
+            finished.append(name)
+            return reply
+
+        long = asyncio.ensure_future(run("prefill", forward(shard.embed(prompt), mode="prefill", session="long",
+                                                            past_len=0)))
+        await asyncio.sleep(0.05)  # the prefill's first chunk is running
+        decode = asyncio.ensure_future(run("decode", forward(shard.embed([first]), mode="decode",
+                                                             session="decoding", past_len=len(PROMPTS[1]))))
+        replies = await asyncio.gather(long, decode)
+        return finished, replies
+
+    try:
+        finished, (long_reply, decode_reply) = asyncio.run(scenario())
+    finally:
+        service.close()
+    assert finished == ["decode", "prefill"]
+    assert long_reply.token_id == whole
+    assert shard.sessions.checkout("long", past_len=60, start_layer=0).past_len == 60
+    assert decode_reply.token_id is not None
+    assert service.queue.batches >= 5  # four chunks and the decode step

@@ -67,10 +67,30 @@ def session_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise RuntimeError("batched attention without the sessions' keys and values")
     # latent attention (DeepSeek-V3, GLM-4.5) caches compressed latents and expands them after the update
     expand = getattr(module, "expand_kv", None)
-    rows = [sdpa_attention_forward(module, query[:, :, i:i + 1], *(expand(*held) if expand else held), None,
-                                   **kwargs)[0]
-            for i, held in enumerate(session_kv)]
+    held = [expand(*kv) if expand else kv for kv in session_kv]
+    if _plain_decode(module, held, kwargs):
+        # what sdpa_attention_forward calls for a one-position query with no mask, without its per-call checks:
+        # the same kernel with the same arguments, so each row's numbers are a single step's
+        gqa = {"enable_gqa": True} if getattr(module, "num_key_value_groups", 1) > 1 else {}
+        scale, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
+        rows = [torch.nn.functional.scaled_dot_product_attention(
+                    query[:, :, i:i + 1], keys, values, attn_mask=None, dropout_p=dropout, scale=scale,
+                    is_causal=False, **gqa)
+                for i, (keys, values) in enumerate(held)]
+        return torch.cat(rows, dim=2).transpose(1, 2).contiguous(), None
+    rows = [sdpa_attention_forward(module, query[:, :, i:i + 1], keys, values, None, **kwargs)[0]
+            for i, (keys, values) in enumerate(held)]
     return torch.cat(rows, dim=1), None
+
+
+_PLAIN_KWARGS = {"dropout", "scaling", "position_ids", "cache", "use_cache", "cache_position"}
+
+
+def _plain_decode(module: torch.nn.Module, held: Sequence, kwargs: dict) -> bool:
+    """Whether transformers' SDPA would make one plain GQA call here: equal key and value head sizes up to 256
+    (no query packing), nothing but dropout and scale among the options (no soft-capping, no position bias)."""
+    keys, values = held[0]
+    return keys.shape[-1] == values.shape[-1] <= 256 and set(kwargs) <= _PLAIN_KWARGS
 
 
 def _register() -> None:

@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import os
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -54,16 +55,18 @@ class CoreShare:
         self._path = self.folder / f"{os.getpid()}-{uuid.uuid4().hex[:8]}.daemon"
         self._fd = os.open(self._path, os.O_CREAT | os.O_RDWR, 0o600)
         self._others: dict[str, int] = {}  # file name -> an open descriptor to test its lock with
+        self._lock = threading.Lock()  # the torch thread rescans, the event loop may ask who computes
         self._scanned = float("-inf")
         self.threads = 0  # what torch runs with now; 0 until the first step
         self.computing_others = 0  # other daemons computing when this one's last step began
 
     def close(self) -> None:
         """Leave the folder: the other daemons stop counting this one at their next scan."""
-        for fd in [self._fd, *self._others.values()]:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._others.clear()
+        with self._lock:
+            for fd in [self._fd, *self._others.values()]:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._others.clear()
         with contextlib.suppress(OSError):
             self._path.unlink()
 
@@ -82,12 +85,17 @@ class CoreShare:
         if now - self._scanned >= RESCAN_SECONDS:
             self._scanned = now
             self._rescan()
-        self.computing_others = sum(_locked(fd) for fd in self._others.values())
+        self.computing_others = self.others_computing()
         threads = max(1, self.cores // (1 + self.computing_others))
         if threads != self.threads:
             torch.set_num_threads(threads)
             self.threads = threads
         return threads
+
+    def others_computing(self) -> int:
+        """How many other daemons on this host are computing a step now."""
+        with self._lock:
+            return sum(_locked(fd) for fd in self._others.values())
 
     def _rescan(self) -> None:
         try:
@@ -95,6 +103,10 @@ class CoreShare:
         except OSError:
             names = set()
         live = {name for name in names if _alive(name)}
+        with self._lock:
+            self._update_others(names, live)
+
+    def _update_others(self, names: set[str], live: set[str]) -> None:
         for name in names - live:
             with contextlib.suppress(OSError):
                 os.unlink(self.folder / name)  # left by a daemon that died

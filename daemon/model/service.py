@@ -64,7 +64,8 @@ class ShardService:
         # decode steps of sessions waiting here together run as one forward, where the layers allow it
         self.max_batch = max_batch if shard.batch_refusal is None else 1
         self.step_tokens = step_tokens  # a longer prompt runs in chunks of this many tokens
-        self.queue = StepQueue(self._run_jobs, self.run, max_batch=self.max_batch, on_batch=on_batch)
+        self.queue = StepQueue(self._run_jobs, self.run, max_batch=self.max_batch, on_batch=on_batch,
+                               others_computing=self.cores.others_computing if self.cores is not None else None)
         self.active_steps = 0
         self.steps_served = 0
         self.tokens_served = 0
@@ -288,10 +289,12 @@ class ShardService:
                 for e in self.store.entries()]
 
     def drop_session(self, session_id: str) -> bool:
+        self.queue.forget(session_id)
         return self.store.drop(session_id)
 
     def retain_session(self, session_id: str) -> bool:
         """Keep a finished generation's session as a prefix later requests can start from."""
+        self.queue.forget(session_id)  # its generation ended: no more steps of it
         return self.store.retain(session_id)
 
 

@@ -13,8 +13,10 @@ what runs next:
   step runs a budget's worth at a time, queueing again behind the steps that came
   meanwhile (:data:`AGAIN`): running decodes wait one chunk at most, not a prompt.
 
-Nothing waits for a timer: a step arriving at an idle node runs after the event loop's next
-few turns, with whatever arrived in them.
+A step of a lone session arriving at an idle node runs at once. Where several sessions
+decode here, the first of their steps to arrive at an idle node waits a moment
+(``COALESCE_SECONDS``) for the others, so one batch's replies coming back from the
+next node a little apart do not split into smaller batches.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from daemon import wire
 
 log = logging.getLogger(__name__)
 
-IDLE_YIELDS = 3  # event-loop turns a step arriving at an idle node waits for others arriving with it
+ACTIVE_SECONDS = 1.0  # a session whose decode step came here this recently is expected back
+# how long a decode step arriving at an idle node waits for the steps of the other sessions decoding here: the
+# replies of one batch on the next node come back a little apart, and would otherwise split into small batches
+COALESCE_SECONDS = 0.002
+# ... and while another daemon on this host computes (the other steps are likely there): the cores are busy
+# anyway, so waiting costs nothing, and the sessions merge into one batch instead of two half-size ones
+COALESCE_WHILE_OTHERS_COMPUTE_SECONDS = 0.25
 
 
 @dataclass
@@ -61,13 +69,17 @@ class StepQueue:
     """
 
     def __init__(self, run_batch: BatchRunner, run: Callable, *, max_batch: int,
-                 on_batch: Callable[[int, list[float]], None] | None = None) -> None:
+                 on_batch: Callable[[int, list[float]], None] | None = None,
+                 others_computing: Callable[[], int] | None = None) -> None:
         self._run_batch = run_batch
         self._run = run  # awaits a function on the torch thread
         self.max_batch = max_batch
         self._on_batch = on_batch
+        self._others_computing = others_computing  # other daemons on this host computing now, where known
         self._waiting: deque[Job] = deque()
         self._draining = False
+        self._seen: dict[str, float] = {}  # session -> when its last decode step arrived
+        self._arrived = asyncio.Event()
         self.batches = 0
         self.batched_steps = 0  # steps that ran in a batch of two or more
 
@@ -78,6 +90,9 @@ class StepQueue:
         """Queue one step and wait for its outcome (raised if it failed)."""
         job = Job(request, token_ids, asyncio.get_running_loop().create_future())
         self._waiting.append(job)
+        if job.batchable:
+            self._seen[request.session_id] = job.queued
+            self._arrived.set()
         if not self._draining:
             self._draining = True
             asyncio.get_running_loop().create_task(self._drain())
@@ -85,10 +100,7 @@ class StepQueue:
 
     async def _drain(self) -> None:
         try:
-            # from idle: let the loop hand over what arrived with this step (the replies of one batch on the
-            # next node come back together) before taking the first batch; a few microseconds when nothing did
-            for _ in range(IDLE_YIELDS):
-                await asyncio.sleep(0)
+            await self._gather()
             while self._waiting:
                 jobs = self._next()
                 if not jobs:
@@ -115,6 +127,39 @@ class StepQueue:
                         job.future.set_result(outcome)
         finally:
             self._draining = False
+
+    def forget(self, session_id: str) -> None:
+        """A session ended (dropped, or kept only as a prefix): no step of it is expected any more."""
+        self._seen.pop(session_id, None)
+
+    def active_sessions(self) -> int:
+        """Sessions whose decode steps came here in the last ``ACTIVE_SECONDS``."""
+        horizon = time.monotonic() - ACTIVE_SECONDS
+        for session in [s for s, seen in self._seen.items() if seen < horizon]:
+            del self._seen[session]
+        return len(self._seen)
+
+    async def _gather(self) -> None:
+        """From idle, before the first batch: where other sessions decode here too, wait for their steps to
+        arrive, ``COALESCE_SECONDS`` at most, or longer while another daemon on this host computes. A lone
+        session's step starts at once."""
+        if self.max_batch <= 1 or not self._waiting or not self._waiting[0].batchable:
+            return
+        expected = min(self.active_sessions(), self.max_batch)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while len(self._waiting) < expected:
+            waited = loop.time() - started
+            limit = COALESCE_SECONDS
+            if waited >= limit and self._others_computing is not None and self._others_computing():
+                limit = COALESCE_WHILE_OTHERS_COMPUTE_SECONDS
+            if waited >= limit:
+                return
+            self._arrived.clear()
+            try:  # woken by each arrival; re-checks whether others still compute every COALESCE_SECONDS
+                await asyncio.wait_for(self._arrived.wait(), min(limit - waited, COALESCE_SECONDS))
+            except TimeoutError:
+                pass
 
     def _next(self) -> list[Job]:
         """The steps to run next: the oldest, with the decode steps it can batch with."""
