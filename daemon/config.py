@@ -116,9 +116,9 @@ class NodeConfig:
         check=_addresses)
     kv_cache: bool = setting(
         True, flag="--no-kv-cache", help="keep no session caches: every step runs the full sequence (stateless)")
-    threads: int | None = setting(  # None: the machine's cores shared among the daemons on this host
-        None, flag="--threads", help="torch threads (default: this host's cores shared among the daemons on it, "
-        "counting peers on loopback)", check=at_least(1))
+    threads: int | None = setting(  # None: the machine's cores shared among the daemons computing at each step
+        None, flag="--threads", help="torch threads (default: before each step, this host's cores shared among "
+        "the daemons on it computing at that moment)", check=at_least(1))
     kv_ttl_seconds: float = setting(
         600.0, flag="--kv-ttl", help="session cache TTL in seconds (default 600)", check=above(0))
     kv_max_sessions: int = setting(
@@ -379,12 +379,9 @@ def _from_cli(cli: dict) -> dict[str, tuple[object, str]]:
 
 
 def default_threads(config: NodeConfig) -> int:
-    """Share the cores among the daemons on this host, so co-located daemons never oversubscribe.
-
-    Daemons on one host are this node plus its peers on a loopback address. One
-    pipeline step runs one node at a time, but OpenMP workers that spin while
-    another process computes slow both by 3-5x; a fair share avoids that.
-    """
+    """The threads a node starts with (loading its weights): the cores shared among this node and its peers on
+    a loopback address. From its first step on, the core share follows the daemons computing at each moment
+    (``daemon.model.cores``)."""
     local_peers = sum(1 for p in config.peers if any(h in p for h in ("127.0.0.1", "localhost", "[::1]")))
     return max(1, host_cores() // (1 + local_peers))
 
