@@ -593,7 +593,7 @@ class ModelShard:
             return f"a batched step failed on these layers ({type(exc).__name__}: {exc})"
         want = torch.cat(alone, dim=1).float()
         diff = (together.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
-        if not diff <= 1e-2:
+        if not diff <= 5e-2:  # a broken batched path is off by the states themselves; rounding by far less
             return f"a batched step differs from single steps by {diff:.2g} of the hidden states' scale"
         return None
 
