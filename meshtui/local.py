@@ -47,7 +47,6 @@ from daemon.api.launch import (
     MeshdProcess,
     describe_returncode,
     free_port,
-    host_cores,
     node_url,
     stop_all,
 )
@@ -159,7 +158,6 @@ class LocalMesh:
         self.nodes: list[LocalNode] = [LocalNode(label="node", layers=None, port=p, url=u)
                                        for p, u in zip(ports, self.urls)]
         self.reused = False  # head_only found a daemon already serving and started nothing
-        self.threads = max(1, host_cores() // nodes)
         self._head_only = False
         self._children: list[MeshdProcess] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -209,8 +207,9 @@ class LocalMesh:
                 node.label = f"node {layers}"
                 others = [u for u in self.urls if u != node.url]
                 remote = [p for p in self.peers if p not in self.urls] if i == 0 else []
+                # no --threads: the nodes share the host's cores step by step, all of them for whichever computes
                 args = ["--model", model, "--layers", layers, "--host", self.host, "--port", str(node.port),
-                        "--threads", str(self.threads), *[arg for url in [*others, *remote] for arg in ("--peer", url)]]
+                        *[arg for url in [*others, *remote] for arg in ("--peer", url)]]
                 node.child = self._spawn(node.label, args)
             await self.wait_ready(READY_TIMEOUT_S)
         except BaseException:

@@ -15,7 +15,6 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from daemon.api.launch import host_cores
 from meshtui.local import (
     LocalMesh,
     LocalMeshError,
@@ -97,11 +96,10 @@ def test_the_layer_count_comes_from_config_json(tmp_path):
         model_num_layers(tmp_path)
 
 
-def test_ports_urls_and_threads_are_known_before_start():
+def test_ports_and_urls_are_known_before_start():
     mesh = LocalMesh(nodes=3, base_port=7170)
     assert mesh.urls == ["http://127.0.0.1:7170", "http://127.0.0.1:7171", "http://127.0.0.1:7172"]
     assert mesh.head_url == mesh.urls[0] and mesh.processes == []
-    assert mesh.threads == max(1, host_cores() // 3)
     assert len(LocalMesh(layers=["0-1", "2-2", "3-3"]).urls) == 3  # one node per given range
     mesh.stop()  # nothing started: still fine
 
@@ -153,11 +151,10 @@ async def test_chat_through_the_head(mesh):
 @pytest.mark.asyncio(loop_scope="module")
 async def test_each_node_knows_the_others_and_shares_the_cores(mesh):
     local, _ = mesh
-    threads = str(max(1, host_cores() // 2))
     for node, other in zip(local.nodes, reversed(local.nodes)):
         argv = node.argv
         assert argv[argv.index("--layers") + 1] == node.layers
-        assert argv[argv.index("--threads") + 1] == threads
+        assert "--threads" not in argv  # the cores go to whichever node computes (daemon.model.cores)
         assert [argv[i + 1] for i, a in enumerate(argv) if a == "--peer"] == [other.url]
 
 
@@ -189,7 +186,7 @@ async def test_a_head_next_to_a_peer_hosts_the_layers_it_lacks(mesh, tiny_model)
         assert not head.reused and head.nodes[0].layers == "0-1"
         assert "peers host layers 2-3; this head hosts 0-1" in progress.of("head")
         argv = head.nodes[0].argv
-        assert argv[argv.index("--threads") + 1] == str(host_cores())
+        assert "--threads" not in argv
         assert [argv[i + 1] for i, a in enumerate(argv) if a == "--peer"] == [tail.url]
         status, body = await chat(head.head_url)  # the head's peers are polled every 2 s: the route appears
         for _ in range(40):
