@@ -102,22 +102,27 @@ def _register() -> None:
 _register()
 
 
+def attention_configs(layers: Sequence[torch.nn.Module]) -> list:
+    """The config objects the attention modules of ``layers`` read their implementation from (once per shard)."""
+    return list({id(m.config): m.config for layer in layers for m in layer.modules()
+                 if hasattr(m, "layer_idx") and hasattr(m, "config")}.values())
+
+
 @contextlib.contextmanager
-def batched_attention(layers: Sequence[torch.nn.Module]) -> Iterator[None]:
-    """Select :func:`session_attention` in ``layers`` for the ``with`` block, then restore what they had.
+def batched_attention(configs: Sequence) -> Iterator[None]:
+    """Select :func:`session_attention` in the layers reading ``configs`` for the ``with`` block, then restore
+    what they had.
 
     Layers read the attention implementation from their config at every call; the node runs one forward at a
     time on its torch thread, so switching it around a batched forward touches no other step."""
-    configs = {id(m.config): m.config for layer in layers for m in layer.modules()
-               if hasattr(m, "layer_idx") and hasattr(m, "config")}
-    before = {key: config._attn_implementation for key, config in configs.items()}
+    before = [config._attn_implementation for config in configs]
     try:
-        for config in configs.values():
+        for config in configs:
             config._attn_implementation = BATCH_ATTENTION
         yield
     finally:
-        for key, config in configs.items():
-            config._attn_implementation = before[key]
+        for config, implementation in zip(configs, before):
+            config._attn_implementation = implementation
 
 
 def batching_refusal(layer_types: Sequence[str], *, caches: bool) -> str | None:

@@ -25,7 +25,7 @@ import torch
 from daemon.api import Sampling
 from daemon.errors import BadRequest, CacheMiss, ModelUnavailable
 from daemon.kvstore import SessionCacheStore
-from daemon.model.batching import SessionBatch, batched_attention, batching_refusal
+from daemon.model.batching import SessionBatch, attention_configs, batched_attention, batching_refusal
 from daemon.model.quantize import parameter_bytes, quantize_layers
 from daemon.model.sampling import sample_token
 from daemon.model.tokenizer import ChatTokenizer
@@ -170,6 +170,7 @@ class ModelShard:
         self._load_tensors(self._wanted_parts(head=head), quantize=quantize)
         self._buffers_to_device()
         self._layers = tuple(self.model.model.layers)  # indexing a tuple, not a ModuleList, in the step loop
+        self._attention_configs = attention_configs(self._layers[start:end])  # switched for batched steps
         # the head turns chats into ids, the tail names its token
         self.tokenizer = ChatTokenizer.load(self.folder, self.config) if (head or self.is_tail) else None
         self._stats_store = sessions  # misses of a stateless node still show in its statistics
@@ -417,12 +418,7 @@ class ModelShard:
     @torch.inference_mode()
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the last position only: logits ``[vocab]``."""
-        last = self.model.model.norm(hidden[:, -1:, :])
-        logits = self.model.lm_head(last)[0, -1]
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap:  # Gemma-family models squash logits in their own forward, in the compute dtype: sampling sees the same
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return self.logits_rows(hidden[:, -1:, :])[0]
 
     def step(
         self,
@@ -548,7 +544,7 @@ class ModelShard:
         layers = [self._layers[i] for i in range(start_layer, self.end)]
         position_embeddings = self._rotary(hidden, position_ids, {"full_attention"})["full_attention"]
         batch = SessionBatch(caches)
-        with batched_attention(layers):
+        with batched_attention(self._attention_configs):
             for layer in layers:
                 hidden = layer(hidden, attention_mask=None, position_ids=position_ids,
                                position_embeddings=position_embeddings, cache=batch, use_cache=True)
@@ -559,7 +555,7 @@ class ModelShard:
         """Final norm and LM head on every position of ``hidden [1, B, hidden]``: logits ``[B, vocab]``."""
         logits = self.model.lm_head(self.model.model.norm(hidden))[0]
         cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap:
+        if cap:  # Gemma-family models squash logits in their own forward, in the compute dtype: sampling sees the same
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 

@@ -22,15 +22,12 @@ next node a little apart do not split into smaller batches.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from daemon import wire
-
-log = logging.getLogger(__name__)
 
 ACTIVE_SECONDS = 1.0  # a session whose decode step came here this recently is expected back
 # how long a decode step arriving at an idle node waits for the steps of the other sessions decoding here: the
@@ -80,11 +77,8 @@ class StepQueue:
         self._draining = False
         self._seen: dict[str, float] = {}  # session -> when its last decode step arrived
         self._arrived = asyncio.Event()
+        self._drainer: asyncio.Task | None = None  # held: the loop keeps only a weak reference to a task
         self.batches = 0
-        self.batched_steps = 0  # steps that ran in a batch of two or more
-
-    def __len__(self) -> int:
-        return len(self._waiting)
 
     async def submit(self, request: wire.ForwardRequest, token_ids: list[int] | None):
         """Queue one step and wait for its outcome (raised if it failed)."""
@@ -95,7 +89,7 @@ class StepQueue:
             self._arrived.set()
         if not self._draining:
             self._draining = True
-            asyncio.get_running_loop().create_task(self._drain())
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
         return await job.future
 
     async def _drain(self) -> None:
@@ -108,11 +102,9 @@ class StepQueue:
                 started = time.monotonic()
                 try:
                     outcomes = await self._run(self._run_batch, jobs)
-                except BaseException as exc:  # noqa: BLE001 - the executor itself failed (shut down)
+                except Exception as exc:  # noqa: BLE001 - the executor itself failed (shut down)
                     outcomes = [exc] * len(jobs)
                 self.batches += 1
-                if len(jobs) > 1:
-                    self.batched_steps += len(jobs)
                 if self._on_batch is not None:
                     self._on_batch(len(jobs), [started - job.queued for job in jobs])
                 for job, outcome in zip(jobs, outcomes):
