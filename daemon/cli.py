@@ -15,6 +15,7 @@ import sys
 import time
 
 from daemon import __version__
+from daemon.api.launch import NODE_INSTALL, console_only, missing_node_packages
 from daemon.config import SETTINGS, ConfigError, default_config_path, default_threads, is_loopback, load_config
 
 STOP_WAIT_SECONDS = 2.0  # after the grace: how long generations get to reach their next step and end
@@ -251,6 +252,11 @@ async def serve_until_stopped(app, node) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    missing = missing_node_packages()
+    if missing:
+        print(f"meshd: error: {console_only(missing)}; a node needs the node extra: {NODE_INSTALL}",
+              file=sys.stderr)
+        return 2
     # transformers imports torchao wherever it is installed, and that import logs, at every start, the CUDA
     # kernels a CPU build cannot load and torch's deprecation of how it registers its enums: noise, not news
     for noisy in ("torchao", "torch.utils._pytree"):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from daemon import __version__
+from daemon.api.launch import NODE_INSTALL, console_only, missing_node_packages
 from meshtui.config import ConsoleConfig, ConsoleConfigError, default_config_path, normalize_url
 
 LOOPBACK = "127.0.0.1"
@@ -138,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc))
     if args.theme:
         config.theme = args.theme
+    if plan.kind != "connect" and (missing := missing_node_packages()):
+        return _fail(f"{console_only(missing)}, so it starts no daemons: attach to a running head with "
+                     f"--connect URL, or install the node extra ({NODE_INSTALL})")
 
     from meshtui.app import MeshApp
 

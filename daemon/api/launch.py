@@ -19,6 +19,7 @@ terminal's Ctrl+C and hang-up reach the parent alone, which then stops its child
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import os
 import signal
 import socket
@@ -33,6 +34,9 @@ from pathlib import Path
 from typing import TextIO
 
 LOOPBACK = "127.0.0.1"
+# what meshd imports beyond the console's packages: the `node` extra (a console-only install lacks them all)
+NODE_PACKAGES = ("torch", "transformers", "safetensors", "gguf", "prometheus_client", "pythonjsonlogger", "httptools")
+NODE_INSTALL = 'pip install "meshnet[node]"'
 STOP_GRACE_S = 5.0
 TAIL_LINES = 40  # lines of output kept in memory to quote when a child fails
 _LOG_TAIL_BYTES = 64 * 1024  # read from the end of a log file to find its last lines
@@ -55,6 +59,17 @@ def node_url(host: str, port: int) -> str:
 def host_cores() -> int:
     """The cores this process may run on (its affinity, not the machine's count)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def missing_node_packages() -> list[str]:
+    """The packages a node needs that this install lacks: all of them on a console-only install."""
+    return [name for name in NODE_PACKAGES if importlib.util.find_spec(name) is None]
+
+
+def console_only(missing: list[str]) -> str:
+    """Why this install cannot run a node, for an error message."""
+    lacks = missing[0] if len(missing) == 1 else f"{missing[0]} and {len(missing) - 1} more of the node's packages"
+    return f"this is a console-only install (no {lacks})"
 
 
 def describe_returncode(code: int | None) -> str:
