@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.api import GenerationStats, RouteInfo
+from daemon.api import GenerationStats, NodeStatus, RouteInfo
 from meshtui.client import Usage
 from meshtui.state import GenerationRecord, MeshState, NodeState, layer_coverage, layer_runs, short_reason
 from tests.tui_data import HEAD, NOW, REPLICA, WORKER, failover_route, node_status, session, session_list
@@ -163,3 +163,36 @@ def test_state_client_and_config_know_nothing_of_textual():
     code = ("import sys, meshtui.state, meshtui.client, meshtui.config; "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('textual', 'torch')]")
     subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, check=True, timeout=60)
+
+
+def test_the_chat_limits_come_from_the_heads_status_and_old_nodes_report_none():
+    state = MeshState()
+    state.set_head(HEAD)
+    assert (state.chat_limits.max_tokens, state.chat_limits.context_length) == (None, None)  # not polled yet
+    reported = node_status(HEAD, 0, 30)
+    reported.max_tokens_cap, reported.context_length = 2048, 8192
+    state.record_poll(HEAD, reported, None, None, NOW)
+    assert (state.chat_limits.max_tokens, state.chat_limits.context_length) == (2048, 8192)
+    old = node_status(HEAD, 0, 30).to_dict()
+    del old["max_tokens_cap"], old["context_length"]  # a node from before they were reported
+    state.record_poll(HEAD, NodeStatus.from_dict(old), None, None, NOW + 1)
+    assert (state.chat_limits.max_tokens, state.chat_limits.context_length) == (None, None)
+
+
+def test_a_new_conversation_keeps_the_system_prompt_and_drops_late_answers_of_the_old_one():
+    state = MeshState(system_prompt="Be brief.")
+    first = state.start_generation("hi", NOW)
+    first.text = "Hello."
+    state.finish_generation(first, "done")
+    assert state.request_messages("more") == [{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "Hello."},
+                                              {"role": "user", "content": "more"}]
+    late = state.start_generation("more", NOW)
+    late.text = "Half an ans"
+    state.new_conversation()  # while "more" was still streaming: it ends cancelled, after the reset
+    state.finish_generation(late, "cancelled")
+    assert state.conversation == [] and state.conversation_records == []
+    assert state.request_messages("again") == [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "again"}]
+    assert len(state.generations) == 2  # the Throughput view keeps its history
