@@ -327,8 +327,8 @@ class MeshApp(App[None]):
         except OSError as exc:
             self.say(f"Could not export to {self.export_dir}: {exc}", severity="error")
             return None
-        markdown, data = (home_relative(path) for path in paths)
-        self.say(f"Exported to {markdown}\nand {data}")
+        markdown, data = paths
+        self.say(f"Exported {markdown.name} and {data.name} to {home_relative(markdown.parent)}")
         return paths
 
     def on_chat_settings_changed(self, message: ChatSettingsChanged) -> None:

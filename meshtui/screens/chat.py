@@ -33,9 +33,9 @@ class ChatView(Vertical):
 
     # Ctrl keys, not letters: they work while the prompt has the focus (Input keeps ctrl+a/e/d/k/u/w/x/c/v)
     BINDINGS = [
-        Binding("escape", "cancel", "Cancel answer", id="chat.cancel"),
+        Binding("escape", "cancel", "Cancel", id="chat.cancel", tooltip="Cancel the answer being streamed"),
         Binding("ctrl+n", "new_conversation", "New chat", id="chat.new"),
-        Binding("ctrl+t", "system_prompt", "System prompt", id="chat.system"),
+        Binding("ctrl+t", "system_prompt", "System", id="chat.system", tooltip="System prompt"),
         Binding("ctrl+s", "settings", "Sampling", id="chat.settings"),
         Binding("ctrl+o", "export", "Export", id="chat.export"),
     ]

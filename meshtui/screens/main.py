@@ -31,6 +31,7 @@ from meshtui.screens.throughput import ThroughputView
 from meshtui.state import MeshState
 
 VIEWS = {"mesh": "Mesh", "sessions": "Sessions", "throughput": "Throughput", "chat": "Chat"}
+VIEW_KEYS = Binding.Group("Views")
 
 
 class MainScreen(Screen):
@@ -39,11 +40,13 @@ class MainScreen(Screen):
     AUTO_FOCUS = "#nodes"  # not Textual's first focusable (the tabs): each focus change at start recomposes the footer
 
     BINDINGS = [
-        Binding("f2,1", "show_view('mesh')", "Mesh", id="view.mesh"),
-        Binding("f3,2", "show_view('sessions')", "Sessions", id="view.sessions"),
-        Binding("f4,3", "show_view('throughput')", "Throughput", id="view.throughput"),
-        Binding("f5,4", "show_view('chat')", "Chat", id="view.chat"),
-        Binding("f6,a", "add_peer", "Add peer", id="peer.add"),
+        # one footer entry for the four (the tabs above name them in order); the help screen lists each
+        Binding("f2,1", "show_view('mesh')", "Mesh", id="view.mesh", group=VIEW_KEYS),
+        Binding("f3,2", "show_view('sessions')", "Sessions", id="view.sessions", group=VIEW_KEYS),
+        Binding("f4,3", "show_view('throughput')", "Throughput", id="view.throughput", group=VIEW_KEYS),
+        Binding("f5,4", "show_view('chat')", "Chat", id="view.chat", group=VIEW_KEYS),
+        # peers, off the footer: the Chat view's keys take its width (the help screen and palette list them)
+        Binding("f6,a", "add_peer", "Add peer", id="peer.add", show=False),
         Binding("f7,r", "remove_peer", "Remove peer", id="peer.remove", show=False),
         Binding("f1,question_mark", "help", "Help", id="app.help"),
         # Textual's own copy (a focused Input copies its selection first); given an id so it can be remapped
@@ -182,7 +185,7 @@ class MainScreen(Screen):
                 keys = [key.strip() for key in self.config.keys.get(binding.id, binding.key).split(",")]
                 shown = ", ".join(self.app.get_key_display(Binding(key, binding.action)) + ("*" if typed(key) else "")
                                   for key in keys)
-                rows.append(BindingHelp(where, shown, binding.description, binding.id))
+                rows.append(BindingHelp(where, shown, binding.tooltip or binding.description, binding.id))
         return rows
 
     def binding_sections(self) -> list[tuple[str, list[Binding]]]:
