@@ -395,7 +395,8 @@ class MeshApp(App[None]):
                             main.chat_view.action_settings)
         yield SystemCommand("New chat", "Start a new conversation (cancels an answer in flight)",
                             self.new_conversation)
-        yield SystemCommand("System prompt", "Set the conversation's system prompt", main.chat_view.action_system_prompt)
+        yield SystemCommand("System prompt", "Set the conversation's system prompt",
+                            main.chat_view.action_system_prompt)
         yield SystemCommand("Export chat", "Write the conversation as Markdown and JSON", self.export_conversation)
         yield SystemCommand("Add peer", "Add a daemon to the config and the head's peers", main.action_add_peer)
         yield SystemCommand("Remove peer", "Remove a daemon from the config and the head's peers",

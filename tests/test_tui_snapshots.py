@@ -392,8 +392,10 @@ def test_chat_system_prompt_dialog(snap_compare):
 
     async def run_before(pilot: Pilot) -> None:
         await ready(pilot)
-        await pilot.press("f5", "ctrl+t", *"You are a terse assistant for mesh operators.", "enter",
-                          *"Answer in one paragraph.")
+        await pilot.press("f5", "ctrl+t")
+        area = app.screen.query_one(TextArea)
+        area.text = "You are a terse assistant for mesh operators.\nAnswer in one paragraph."  # typing it is slow
+        area.move_cursor(area.document.end)
         await settle(pilot)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
@@ -408,7 +410,9 @@ def test_chat_exported(snap_compare, tmp_path, monkeypatch):
     async def run_before(pilot: Pilot) -> None:
         await ready(pilot)
         post_healthy_mesh(app)
-        await pilot.press("f5", "ctrl+t", *"Answer in one sentence.", "ctrl+s")
+        await pilot.press("f5", "ctrl+t")
+        app.screen.query_one(TextArea).text = "Answer in one sentence."
+        await pilot.press("ctrl+s")
         await pilot.press(*"Where do the layers run?", "enter")
         await settle(pilot, until=answered(app, 1))
         await pilot.press("ctrl+o")
