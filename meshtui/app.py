@@ -122,6 +122,10 @@ class MeshApp(App[None]):
         if unknown:
             self.say(f"Unknown binding ids in [keys]: {', '.join(unknown)}", severity="warning")
         self.set_keymap({k: v for k, v in self.config.keys.items() if k in known})
+        swallowed = self.main.remaps_the_prompt_swallows()
+        if swallowed:
+            self.say(f"In [keys], {'; '.join(swallowed)}: the chat's prompt takes these keys while it has the focus. "
+                     "Add an F-key or a free Ctrl key, e.g. \"f5,c\".", severity="warning")
 
     async def on_unmount(self) -> None:
         self._stop_local_mesh()

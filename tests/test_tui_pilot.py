@@ -525,6 +525,16 @@ async def test_export_writes_the_conversation_as_markdown_and_json(daemons, tmp_
     assert "Hello from the **mesh**.\n\n*4 tokens · 42.0 tok/s*" in text
 
 
+async def test_a_remap_the_chat_prompt_would_swallow_is_pointed_out():
+    config = ConsoleConfig(keys={"chat.export": "ctrl+e", "view.chat": "c", "view.mesh": "f2,m", "session.evict": "x"})
+    app = MeshApp(config, head_url=HEAD, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        warnings = [n.message for n in app._notifications if n.severity == "warning"]
+        assert warnings == ['In [keys], view.chat = "c"; chat.export = "ctrl+e": the chat\'s prompt takes these keys '
+                            'while it has the focus. Add an F-key or a free Ctrl key, e.g. "f5,c".']
+
+
 async def test_the_command_palette_offers_every_action():
     app = MeshApp(ConsoleConfig(), head_url=HEAD, poll=False, clock=FrozenClock())
     async with app.run_test(size=SIZE) as pilot:

@@ -188,6 +188,20 @@ class MainScreen(Screen):
                 rows.append(BindingHelp(where, shown, binding.tooltip or binding.description, binding.id))
         return rows
 
+    def remaps_the_prompt_swallows(self) -> list[str]:
+        """``[keys]`` entries for keys meant to work while typing whose every key the chat's prompt takes
+        for itself (a letter, or one of its own: ``ctrl+e`` moves to the end), so they would do nothing there."""
+        prompt_keys = {binding.key for binding in Binding.make_bindings(Input.BINDINGS)}
+        swallowed = []
+        for where, bindings in self.binding_sections():
+            for binding in bindings:
+                keys = self.config.keys.get(binding.id)
+                if where == "sessions" or keys is None or binding.priority:
+                    continue
+                if all(typed(key.strip()) or key.strip() in prompt_keys for key in keys.split(",")):
+                    swallowed.append(f'{binding.id} = "{keys}"')
+        return swallowed
+
     def binding_sections(self) -> list[tuple[str, list[Binding]]]:
         return [("anywhere", [*self.BINDINGS, *self.app.BINDINGS]), ("sessions", SessionsView.BINDINGS),
                 ("chat", ChatView.BINDINGS)]
