@@ -47,7 +47,7 @@ class HelpScreen(ModalScreen[None]):
         notes.append("Remap a key under ")
         notes.append("[keys]", style="bold")
         notes.append(f" in {self.config_path or 'meshtui.toml'}, e.g. ")
-        notes.append('"chat.cancel" = "ctrl+x"', style="italic")
+        notes.append('"chat.export" = "f9"', style="italic")
         notes.append(". The mouse works everywhere: tabs, rows, buttons.")
         with Vertical(classes="dialog", id="help") as dialog:
             dialog.border_title = "meshtui · keys"
