@@ -42,7 +42,7 @@ from meshtui.messages import (
 )
 from meshtui.screens.main import VIEWS, MainScreen
 from meshtui.state import MeshState
-from meshtui.widgets.formatting import short_url
+from meshtui.widgets.formatting import home_relative, short_url
 
 
 class MeshApp(App[None]):
@@ -420,11 +420,3 @@ class MeshApp(App[None]):
     def _save_config(self) -> None:
         if self.config.path is not None:  # a config built in code (tests) has no file to write
             self.config.save()
-
-
-def home_relative(path: Path) -> str:
-    """``~/...`` for a path under the home folder: shorter in a notification."""
-    try:
-        return "~/" + str(path.relative_to(Path.home()))
-    except ValueError:
-        return str(path)
