@@ -125,7 +125,7 @@ class Node:
             time=time.time(), started_at=self.started_at, steps_served=service.steps_served,
             tokens_served=service.tokens_served, generations=head.generations, tokens_generated=head.tokens_generated,
             dtype=service.dtype, device=str(service.shard.device), quantize=self.config.quantize,
-            memory=service.memory(),
+            memory=service.memory(), context_length=head.context_length, max_tokens_cap=head.max_tokens_cap,
         )
 
     def sessions(self) -> SessionList:

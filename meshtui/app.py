@@ -12,6 +12,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 from textual import work
 from textual.app import App, SystemCommand
@@ -20,32 +21,36 @@ from textual.screen import Screen
 from textual.worker import Worker
 
 from meshtui.client import DaemonClient, DaemonError
-from meshtui.config import ConsoleConfig, normalize_url
+from meshtui.config import ConsoleConfig, default_export_dir, normalize_url
+from meshtui.export import conversation_record, write_export
 from meshtui.messages import (
     CancelRequested,
     ChatSettingsChanged,
     EvictConfirmed,
+    ExportRequested,
     GenerationChunk,
     GenerationEnded,
     LocalMeshFailed,
     LocalMeshReady,
     LocalProgress,
+    NewConversationRequested,
     NodePolled,
     PeerChangeRequested,
     PromptSubmitted,
     RoutePolled,
+    SystemPromptChanged,
 )
 from meshtui.screens.main import VIEWS, MainScreen
 from meshtui.state import MeshState
-from meshtui.widgets.formatting import short_url
+from meshtui.widgets.formatting import home_relative, short_url
 
 
 class MeshApp(App[None]):
     CSS_PATH = "meshtui.tcss"
     TITLE = "meshtui"
 
-    # Ctrl+C quits too: an operator expects it to end the console and the daemons it started
-    BINDINGS = [Binding("ctrl+q,ctrl+c", "quit", "Quit", id="app.quit", priority=True, show=False)]
+    # Ctrl+C copies, as in every Textual 8 app (with nothing selected, Textual says which key quits)
+    BINDINGS = [Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True, show=False)]
 
     main: MainScreen  # the views, once the app runs
 
@@ -59,11 +64,14 @@ class MeshApp(App[None]):
         poll: bool = True,
         clock: Callable[[], float] = time.time,
         token: str | None = None,
+        export_dir: Path | None = None,
     ) -> None:
         """``token``: the mesh token sent on every request (the command line resolves it with
-        :meth:`ConsoleConfig.mesh_token`: ``MESHNET_TOKEN``, else the config file's ``token``)."""
+        :meth:`ConsoleConfig.mesh_token`: ``MESHNET_TOKEN``, else the config file's ``token``).
+        ``export_dir``: where exported conversations go (default: the platformdirs data folder's)."""
         super().__init__()
         self.config = config
+        self.export_dir = export_dir or default_export_dir()
         self.local_mesh = local_mesh
         self.poll = poll
         self.clock = clock
@@ -114,6 +122,10 @@ class MeshApp(App[None]):
         if unknown:
             self.say(f"Unknown binding ids in [keys]: {', '.join(unknown)}", severity="warning")
         self.set_keymap({k: v for k, v in self.config.keys.items() if k in known})
+        swallowed = self.main.remaps_the_prompt_swallows()
+        if swallowed:
+            self.say(f"In [keys], {'; '.join(swallowed)}: the chat's prompt takes these keys while it has the focus. "
+                     "Add an F-key or a free Ctrl key, e.g. \"f5,c\".", severity="warning")
 
     async def on_unmount(self) -> None:
         self._stop_local_mesh()
@@ -231,12 +243,17 @@ class MeshApp(App[None]):
         if self._answer is not None and self._answer.is_running:
             self.say("An answer is still streaming: cancel it first.", severity="warning")
             return
+        params = self.config.chat.params()
+        cap = self.state.chat_limits.max_tokens
+        if cap is not None and params["max_tokens"] > cap:  # settings saved against another head
+            self.say(f"max tokens {params['max_tokens']} is past the head's cap: asking for {cap}.",
+                     severity="warning")
+            params["max_tokens"] = cap
         messages = self.state.request_messages(message.text)
         record = self.state.start_generation(message.text, self.clock())
         await self.main.chat_view.begin(record)
         self.main.throughput_view.show_generation(record)
-        self._answer = self._stream_answer(record.number, self.state.head_url, messages,
-                                           self.config.chat.params())
+        self._answer = self._stream_answer(record.number, self.state.head_url, messages, params)
 
     @work(exclusive=True, group="chat")
     async def _stream_answer(self, number: int, head_url: str, messages: list[dict], params: dict) -> None:
@@ -281,6 +298,42 @@ class MeshApp(App[None]):
     def cancel_answer(self) -> None:
         if self._answer is not None and self._answer.is_running:
             self._answer.cancel()
+
+    async def on_new_conversation_requested(self, message: NewConversationRequested) -> None:
+        await self.new_conversation()
+
+    async def new_conversation(self) -> None:
+        """Cancel the answer in flight, forget the turns and clear the pane; the system prompt stays."""
+        self.cancel_answer()  # its end arrives later, and is left out of the new conversation
+        self.state.new_conversation()
+        await self.main.mount_views()
+        await self.main.chat_view.clear()
+        self.say("New conversation." + (" The system prompt stays." if self.state.system_prompt else ""))
+
+    def on_system_prompt_changed(self, message: SystemPromptChanged) -> None:
+        self.state.system_prompt = message.text
+        self.main.chat_view.show_system_prompt()
+        self.say("System prompt set: it goes first in the next request." if message.text else
+                 "System prompt cleared.")
+
+    def on_export_requested(self, message: ExportRequested) -> None:
+        self.export_conversation()
+
+    def export_conversation(self) -> tuple[Path, Path] | None:
+        """Write the conversation as Markdown and JSON into the export folder, and say where."""
+        if not self.state.conversation_records:
+            self.say("Nothing to export yet: the conversation has no answers.", severity="warning")
+            return None
+        now = self.clock()
+        record = conversation_record(self.state, self.config.chat, now)
+        try:
+            paths = write_export(self.export_dir, record, now)
+        except OSError as exc:
+            self.say(f"Could not export to {self.export_dir}: {exc}", severity="error")
+            return None
+        markdown, data = paths
+        self.say(f"Exported {markdown.name} and {data.name} to {home_relative(markdown.parent)}")
+        return paths
 
     def on_chat_settings_changed(self, message: ChatSettingsChanged) -> None:
         self.config.chat = message.settings
@@ -344,6 +397,11 @@ class MeshApp(App[None]):
         yield SystemCommand("Cancel answer", "Stop the answer being streamed", self.cancel_answer)
         yield SystemCommand("Sampling settings", "Temperature, top_p, top_k, max tokens, seed",
                             main.chat_view.action_settings)
+        yield SystemCommand("New chat", "Start a new conversation (cancels an answer in flight)",
+                            self.new_conversation)
+        yield SystemCommand("System prompt", "Set the conversation's system prompt",
+                            main.chat_view.action_system_prompt)
+        yield SystemCommand("Export chat", "Write the conversation as Markdown and JSON", self.export_conversation)
         yield SystemCommand("Add peer", "Add a daemon to the config and the head's peers", main.action_add_peer)
         yield SystemCommand("Remove peer", "Remove a daemon from the config and the head's peers",
                             main.action_remove_peer)

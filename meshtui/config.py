@@ -38,6 +38,11 @@ def default_config_path() -> Path:
     return Path(platformdirs.user_config_dir("meshnet")) / "meshtui.toml"
 
 
+def default_export_dir() -> Path:
+    """Where the chat's exported conversations go: ``conversations`` in the platformdirs data folder."""
+    return Path(platformdirs.user_data_dir("meshnet")) / "conversations"
+
+
 class ConsoleConfigError(ValueError):
     """The config file cannot be used; the message names the file and the key."""
 

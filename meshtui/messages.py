@@ -114,3 +114,19 @@ class PeerChangeRequested(Message):
         super().__init__()
         self.url = url
         self.add = add
+
+
+class NewConversationRequested(Message):
+    """The operator asked for a new conversation: the answer in flight is cancelled, the turns forgotten."""
+
+
+class SystemPromptChanged(Message):
+    """The operator saved the conversation's system prompt (empty: none)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class ExportRequested(Message):
+    """The operator asked to write the conversation out as Markdown and JSON."""

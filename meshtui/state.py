@@ -155,6 +155,14 @@ class GenerationRecord:
         return None
 
 
+@dataclass(frozen=True)
+class ChatLimits:
+    """The head's bounds on a chat request; None where it has not reported one."""
+
+    max_tokens: int | None = None  # new tokens one answer may ask for
+    context_length: int | None = None  # prompt and answer together
+
+
 @dataclass
 class MeshState:
     """Everything the views draw: nodes by URL (head first), the head's route, start-up lines, chat history."""
@@ -166,8 +174,10 @@ class MeshState:
     starting: bool = False  # a local mesh is being started for us
     loading: dict[str, list[str]] = field(default_factory=dict)  # local node label -> latest start-up lines
     loading_error: str | None = None
-    generations: list[GenerationRecord] = field(default_factory=list)
-    conversation: list[dict] = field(default_factory=list)  # finished turns, as sent to the head
+    generations: list[GenerationRecord] = field(default_factory=list)  # every answer since the console started
+    conversation: list[dict] = field(default_factory=list)  # this conversation's finished turns, as sent to the head
+    conversation_start: int = 0  # generations numbered above this belong to the conversation shown
+    system_prompt: str = ""  # sent first, as the ``system`` message, when set
 
     def set_head(self, url: str) -> None:
         self.head_url = url
@@ -228,6 +238,15 @@ class MeshState:
             return head.status.model
         return statuses[0].model if statuses else None
 
+    @property
+    def chat_limits(self) -> ChatLimits:
+        """What the head lets a chat ask for, as its last status said (old nodes do not say)."""
+        head = self.nodes.get(self.head_url) if self.head_url else None
+        status = head.status if head is not None else None
+        if status is None:
+            return ChatLimits()
+        return ChatLimits(max_tokens=status.max_tokens_cap or None, context_length=status.context_length or None)
+
     def coverage(self) -> list[int]:
         """How many serving nodes (up, not draining) host each layer of the model: 0 is a gap, above 1 an overlap."""
         model = self.model
@@ -245,14 +264,33 @@ class MeshState:
     def generation(self, number: int) -> GenerationRecord | None:
         return self.generations[number - 1] if 0 < number <= len(self.generations) else None
 
+    def conversation_messages(self) -> list[dict]:
+        """The conversation as the head is sent it: the system prompt first, when there is one."""
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt.strip() else []
+        return [*system, *self.conversation]
+
     def request_messages(self, prompt: str) -> list[dict]:
         """The whole conversation plus the new prompt: the head keeps no chat history of its own."""
-        return [*self.conversation, {"role": "user", "content": prompt}]
+        return [*self.conversation_messages(), {"role": "user", "content": prompt}]
+
+    def in_conversation(self, record: GenerationRecord) -> bool:
+        """Whether ``record`` belongs to the conversation shown (not to one the operator has since left)."""
+        return record.number > self.conversation_start
+
+    @property
+    def conversation_records(self) -> list[GenerationRecord]:
+        """This conversation's answers, oldest first, however each ended."""
+        return self.generations[self.conversation_start:]
+
+    def new_conversation(self) -> None:
+        """Forget the turns (the system prompt stays); the answers stay in the Throughput view's history."""
+        self.conversation = []
+        self.conversation_start = len(self.generations)
 
     def finish_generation(self, record: GenerationRecord, outcome: str, error: str | None = None) -> None:
         record.outcome, record.error = outcome, error
         # a cancelled answer stays in the history as far as it got: it is what the operator saw
-        if record.text and outcome in ("done", "cancelled"):
+        if record.text and outcome in ("done", "cancelled") and self.in_conversation(record):
             self.conversation += [{"role": "user", "content": record.prompt},
                                   {"role": "assistant", "content": record.text}]
 

@@ -586,6 +586,9 @@ def test_status_fields(head, tail, model_dir):
         assert status["kv_cache_enabled"] is True
         assert status["store"]["max_sessions"] == 256
         assert ("tail" in status["roles"]) is (daemon is tail)
+        # what a chat may ask for: the console's sampling dialog is bounded by it
+        assert status["context_length"] > 0
+        assert status["max_tokens_cap"] == min(status["context_length"], 4096)
     head_status = head.get("/v1/status")
     assert [p["up"] for p in head_status["peers"]] == [True]
     assert head_status["peers"][0]["url"] == tail.url

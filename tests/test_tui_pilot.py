@@ -7,6 +7,7 @@ console asked of it, so these tests run the console's real HTTP client without l
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -15,20 +16,23 @@ from pathlib import Path
 import pytest
 from textual.command import CommandList
 from textual.pilot import Pilot
-from textual.widgets import Input, Markdown, Static, TabbedContent
+from textual.selection import Selection
+from textual.widgets import Input, Markdown, Static, TabbedContent, TextArea
 from textual.worker import WorkerState
 
 from meshtui.app import MeshApp
 from meshtui.client import UNAUTHORIZED
 from meshtui.config import ConsoleConfig
-from meshtui.messages import NodePolled
-from meshtui.screens.modals import ConfirmScreen, PeerScreen
+from meshtui.messages import NodePolled, RoutePolled
+from meshtui.screens.help import HelpScreen
+from meshtui.screens.modals import ConfirmScreen, PeerScreen, SystemPromptScreen
 from meshtui.screens.settings import ChatSettingsScreen
 from meshtui.widgets.keyed_table import KeyedTable
 from tests.meshtest import start_mesh
 from tests.tui_data import (
     HEAD,
     HEAD_SESSIONS,
+    MODEL,
     NOW,
     TOKEN,
     WORKER_SESSIONS,
@@ -212,6 +216,39 @@ async def test_sampling_settings_are_saved_and_used(daemons, tmp_path):
         assert head.chat_requests[0]["temperature"] == 0.7 and head.chat_requests[0]["seed"] == 42
 
 
+async def test_the_sampling_dialog_is_bounded_by_the_heads_cap(daemons):
+    head = await daemons(0, 30)
+    config = ConsoleConfig()
+    config.chat.max_tokens = 5000  # saved against another head, or by hand
+    app = MeshApp(config, head_url=head.url, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f5", "ctrl+s")
+        limits = text_of(app.screen.query_one("#limits"))
+        assert "has not said" in limits  # no status yet: the head refuses too many itself
+        await pilot.press("escape")
+        app.post_message(NodePolled(head.url, node_status(head.url, 0, 30, max_tokens_cap=512, context_length=2048),
+                                    session_list([])))
+        await pilot.pause()
+        await pilot.press("ctrl+s")
+        dialog = app.screen
+        assert isinstance(dialog, ChatSettingsScreen)
+        assert text_of(dialog.query_one("#limits")) == ("The head allows up to 512 new tokens per answer, "
+                                                        "prompt and answer within 2048 tokens.")
+        await pilot.click("#save")
+        assert app.screen is dialog
+        assert text_of(dialog.query_one("#problem")) == "max tokens must be between 1 and 512: the head's cap"
+        await pilot.press("escape")
+        await ask(pilot, "hi")  # what was saved before is cut to the cap, and the operator told
+        await wait_until(pilot, lambda: head.chat_requests, "the request")
+        assert head.chat_requests[0]["max_tokens"] == 512
+        assert any("past the head's cap" in n.message for n in app._notifications)
+        await wait_until(pilot, lambda: app.state.generations[-1].finished, "the answer")
+        await pilot.press("ctrl+s")
+        app.screen.query_one("#max_tokens", Input).value = "512"
+        await pilot.click("#save")
+        assert not isinstance(app.screen, ChatSettingsScreen) and app.config.chat.max_tokens == 512
+
+
 async def test_ttl_countdown_ticks_on_the_local_clock():
     clock = FrozenClock()
     app = MeshApp(ConsoleConfig(), head_url=HEAD, poll=False, clock=clock)
@@ -337,18 +374,165 @@ async def test_a_tab_clicked_at_once_shows_its_view_with_the_focus():
 
 
 async def test_keys_remapped_in_the_config_work_and_show():
-    config = ConsoleConfig(keys={"view.sessions": "s", "session.evict": "x"})
+    config = ConsoleConfig(keys={"view.sessions": "ctrl+g,s", "session.evict": "x"})
     app = MeshApp(config, head_url=HEAD, poll=False, clock=FrozenClock())
     async with app.run_test(size=SIZE) as pilot:
         tabs = app.query_one(TabbedContent)
-        await pilot.press("2")
-        assert tabs.active == "mesh"  # the default key is gone
+        await pilot.press("2", "f3")
+        assert tabs.active == "mesh"  # the default keys are gone
         await pilot.press("s")
         assert tabs.active == "sessions"
         shown = {key: active.binding.id for key, active in app.screen.active_bindings.items()}
-        assert shown.get("s") == "view.sessions" and shown.get("x") == "session.evict"
+        assert shown.get("ctrl+g") == "view.sessions" and shown.get("x") == "session.evict"
         help_rows = {row.binding_id: row.keys for row in app.main.binding_help()}
-        assert help_rows["view.sessions"] == "s" and help_rows["session.evict"] == "x"
+        assert help_rows["view.sessions"] == "^g, s*" and help_rows["session.evict"] == "x*"
+        await pilot.press("f5")
+        await wait_until(pilot, lambda: app.screen.focused is app.main.chat_view.prompt, "the prompt's focus")
+        await pilot.press("s", "ctrl+g")  # the letter is typed; the Ctrl key switches
+        assert app.main.chat_view.prompt.value == "s" and tabs.active == "sessions"
+
+
+async def test_views_help_and_peers_answer_their_keys_while_the_prompt_has_the_focus():
+    app = MeshApp(ConsoleConfig(), head_url=HEAD, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        tabs = app.query_one(TabbedContent)
+        await pilot.press("f5")
+        prompt = app.main.chat_view.prompt
+        await wait_until(pilot, lambda: app.screen.focused is prompt, "the prompt's focus")
+        await pilot.press(*"1a?r2")  # the printable shortcuts are the operator's text here
+        assert prompt.value == "1a?r2" and tabs.active == "chat" and app.screen is app.main
+        for key, view in (("f3", "sessions"), ("f5", "chat"), ("f4", "throughput"), ("f5", "chat"), ("f2", "mesh")):
+            await pilot.press(key)
+            assert tabs.active == view
+            if view == "chat":
+                await wait_until(pilot, lambda: app.screen.focused is prompt, "the prompt's focus")
+        await pilot.press("f5")
+        await wait_until(pilot, lambda: app.screen.focused is prompt, "the prompt's focus")
+        # the footer offers the keys that work here: F-keys and Ctrl keys, never a letter the prompt takes
+        shown = {key for key, active in app.screen.active_bindings.items() if active.binding.show}
+        assert {"f1", "f2", "f3", "f4", "f5", "ctrl+n", "ctrl+t", "ctrl+s", "ctrl+o", "escape"} <= shown
+        assert not any(len(key) == 1 for key in shown)
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        rows = {row.binding_id: (row.where, row.keys) for row in app.main.binding_help()}
+        assert rows["view.mesh"] == ("anywhere", "f2, 1*") and rows["app.help"] == ("anywhere", "f1, ?*")
+        assert rows["app.copy"] == ("anywhere", "^c") and rows["app.quit"] == ("anywhere", "^q")
+        assert rows["chat.new"] == ("chat", "^n") and rows["chat.export"] == ("chat", "^o")
+        await pilot.press("escape", "f6")
+        assert isinstance(app.screen, PeerScreen)
+        await pilot.press("escape")
+        assert app.screen is app.main and prompt.value == "1a?r2"
+
+
+async def test_ctrl_c_copies_the_selection_and_does_not_quit():
+    app = MeshApp(ConsoleConfig(), head_url=HEAD, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f5")
+        hint = app.main.chat_view.query_one("#chat-hint", Static)
+        await pilot.press("ctrl+c")  # nothing selected: Textual says how to quit instead
+        await pilot.pause()
+        assert app.is_running and any("to quit" in n.message for n in app._notifications)
+        app.screen.selections = {hint: Selection(None, None)}  # as a mouse drag over the hint would
+        await pilot.press("ctrl+c")
+        assert app.is_running and app.clipboard.startswith("Ask the mesh anything")
+        prompt = app.main.chat_view.prompt
+        await pilot.press(*"copy me", "home", "shift+end", "ctrl+c")
+        assert prompt.value == "copy me" and app.clipboard == "copy me"  # the prompt copies its own selection
+        await pilot.press("ctrl+q")
+    assert not app.is_running
+
+
+async def test_a_new_conversation_cancels_the_answer_and_forgets_the_turns(daemons):
+    head = await daemons(0, 30, answer=[f" t{i}" for i in range(10)], hold_after=3)
+    app = MeshApp(ConsoleConfig(), head_url=head.url, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await ask(pilot, "count")
+        await wait_until(pilot, lambda: app.state.generations and len(app.state.generations[0].chunk_times) == 3,
+                         "three tokens")
+        await pilot.press("ctrl+n")
+        record = app.state.generations[0]
+        await wait_until(pilot, lambda: record.finished, "the cancellation")
+        await wait_until(pilot, head.client_left.is_set, "the head to see the stream closed")
+        assert record.outcome == "cancelled" and app.state.conversation == []
+        view = app.main.chat_view
+        await pilot.pause()
+        assert not view.query(".prompt") and not view.query(".answer") and view.query("#chat-hint")
+        assert "answering" not in text_of(view.status)
+        head.head.hold_after = None
+        await ask(pilot, "again")
+        await wait_until(pilot, lambda: len(app.state.generations) == 2 and app.state.generations[-1].finished,
+                         "the new conversation's answer")
+        assert head.chat_requests[-1]["messages"] == [{"role": "user", "content": "again"}]
+        assert len(view.query(".prompt")) == 1
+
+
+async def test_the_system_prompt_is_shown_and_sent_first(daemons):
+    head = await daemons(0, 30)
+    app = MeshApp(ConsoleConfig(), head_url=head.url, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f5")
+        view = app.main.chat_view
+        assert not view.system.display
+        await pilot.press("ctrl+t")
+        assert isinstance(app.screen, SystemPromptScreen)
+        await pilot.press(*"You are terse.", "ctrl+s")
+        assert app.screen is app.main and app.state.system_prompt == "You are terse."
+        assert view.system.display and text_of(view.system) == "system  You are terse."
+        await ask(pilot, "hi")
+        await wait_until(pilot, lambda: app.state.generations and app.state.generations[-1].finished, "the answer")
+        assert head.chat_requests[-1]["messages"] == [{"role": "system", "content": "You are terse."},
+                                                      {"role": "user", "content": "hi"}]
+        await pilot.press("ctrl+n", "ctrl+t")  # a new conversation keeps it; the dialog starts from it
+        area = app.screen.query_one(TextArea)
+        assert area.text == "You are terse."
+        await pilot.click("#clear")
+        await pilot.click("#save")
+        assert app.state.system_prompt == "" and not view.system.display
+
+
+async def test_export_writes_the_conversation_as_markdown_and_json(daemons, tmp_path):
+    head = await daemons(0, 30, stats={"failovers": 0})
+    app = MeshApp(ConsoleConfig(), head_url=head.url, poll=False, clock=FrozenClock(), export_dir=tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        app.post_message(NodePolled(head.url, node_status(head.url, 0, 30), session_list([])))
+        app.post_message(RoutePolled(head.node.route(refresh=False)))
+        await pilot.press("f5", "ctrl+o")  # nothing yet
+        await pilot.pause()
+        assert list(tmp_path.iterdir()) == [] and "Nothing to export" in list(app._notifications)[-1].message
+        app.state.system_prompt = "You are terse."
+        await ask(pilot, "hi")
+        await wait_until(pilot, lambda: app.state.generations and app.state.generations[-1].finished, "the answer")
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+    (markdown,) = tmp_path.glob("chat-*.md")
+    (data,) = tmp_path.glob("chat-*.json")
+    assert markdown.stem == data.stem
+    notice = list(app._notifications)[-1].message
+    assert notice.startswith(f"Exported {markdown.name} and {data.name} to ") and notice.endswith(tmp_path.name)
+    record = json.loads(data.read_text())
+    assert record["messages"] == [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"},
+                                  {"role": "assistant", "content": "Hello from the **mesh**."}]
+    assert record["head"] == head.url and record["model"]["name"] == MODEL.name
+    assert record["route"] == [{"url": head.url, "start_layer": 0, "end_layer": 30, "local": True}]
+    assert record["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 256, "seed": None}
+    (answer,) = record["answers"]
+    assert answer["outcome"] == "done" and answer["tokens"] == 4 and answer["stats"]["completion_tokens"] == 4
+    assert answer["usage"]["prompt_tokens"] > 0
+    text = markdown.read_text()
+    assert text.startswith(f"# Conversation with {MODEL.name}\n")
+    assert "Route: local 0-29." in text
+    assert "## System\n\nYou are terse." in text and "## You\n\nhi\n" in text
+    assert "Hello from the **mesh**.\n\n*4 tokens · 42.0 tok/s*" in text
+
+
+async def test_a_remap_the_chat_prompt_would_swallow_is_pointed_out():
+    config = ConsoleConfig(keys={"chat.export": "ctrl+e", "view.chat": "c", "view.mesh": "f2,m", "session.evict": "x"})
+    app = MeshApp(config, head_url=HEAD, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        warnings = [n.message for n in app._notifications if n.severity == "warning"]
+        assert warnings == ['In [keys], view.chat = "c"; chat.export = "ctrl+e": the chat\'s prompt takes these keys '
+                            'while it has the focus. Add an F-key or a free Ctrl key, e.g. "f5,c".']
 
 
 async def test_the_command_palette_offers_every_action():
@@ -356,7 +540,8 @@ async def test_the_command_palette_offers_every_action():
     async with app.run_test(size=SIZE) as pilot:
         titles = {command.title for command in app.get_system_commands(app.screen)}
         assert {"Show Mesh", "Show Sessions", "Show Throughput", "Show Chat", "Evict session", "Cancel answer",
-                "Sampling settings", "Add peer", "Remove peer", "Poll now", "Key bindings", "Theme"} <= titles
+                "Sampling settings", "New chat", "System prompt", "Export chat", "Add peer", "Remove peer",
+                "Poll now", "Key bindings", "Theme"} <= titles
         await pilot.press("ctrl+p", *"Show Sessions")
         results = app.screen.query_one(CommandList)
         await wait_until(pilot, lambda: results.option_count > 0, "the palette to search (in the background)")

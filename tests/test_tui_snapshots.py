@@ -16,7 +16,7 @@ import time
 
 import pytest
 from textual.pilot import Pilot
-from textual.widgets import Input, Markdown
+from textual.widgets import Input, Markdown, TextArea
 
 from daemon.api import RouteInfo
 from meshtui.app import MeshApp
@@ -96,8 +96,8 @@ def answering(app: MeshApp, clock: FrozenClock, text: str, **kwargs):
 
 def steady(app: MeshApp) -> None:
     """No blinking cursors: a snapshot must not depend on when it was taken."""
-    for prompt in app.screen.query(Input):
-        prompt.cursor_blink = False
+    for field in [*app.screen.query(Input), *app.screen.query(TextArea)]:
+        field.cursor_blink = False
 
 
 async def ready(pilot: Pilot) -> None:
@@ -366,6 +366,60 @@ def test_chat_sampling_settings(snap_compare):
         await settle(pilot)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_chat_sampling_past_the_heads_cap(snap_compare):
+    """The head reports its cap in /v1/status: the dialog says it, and refuses more."""
+    app = console()
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        app.post_message(NodePolled(HEAD, node_status(HEAD, 0, 30, max_tokens_cap=2048, context_length=2048),
+                                    session_list([])))
+        await pilot.press("f5", "ctrl+s")
+        await settle(pilot)
+        max_tokens = app.screen.query_one("#max_tokens", Input)
+        max_tokens.value = "8000"
+        max_tokens.focus()
+        await pilot.press("enter")  # saves: no mouse left hovering on a button
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_chat_system_prompt_dialog(snap_compare):
+    app = console()
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        await pilot.press("f5", "ctrl+t")
+        area = app.screen.query_one(TextArea)
+        area.text = "You are a terse assistant for mesh operators.\nAnswer in one paragraph."  # typing it is slow
+        area.move_cursor(area.document.end)
+        await settle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_chat_exported(snap_compare, tmp_path, monkeypatch):
+    """A conversation under a system prompt, exported: the notification says where the two files went."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    clock = FrozenClock()
+    app = console(clock, export_dir=tmp_path / ".local/share/meshnet/conversations")
+
+    async def run_before(pilot: Pilot) -> None:
+        await ready(pilot)
+        post_healthy_mesh(app)
+        await pilot.press("f5", "ctrl+t")
+        app.screen.query_one(TextArea).text = "Answer in one sentence."
+        await pilot.press("ctrl+s")
+        await pilot.press(*"Where do the layers run?", "enter")
+        await settle(pilot, until=answered(app, 1))
+        await pilot.press("ctrl+o")
+        await settle(pilot, until=lambda: bool(app._notifications))
+
+    with answering(app, clock, "Layers **0-14** run here; **15-29** on the worker.", stats=FINAL_STATS):
+        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
 def test_add_peer_dialog(snap_compare):

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from daemon.api import GenerationStats, RouteInfo
+from daemon.api import GenerationStats, NodeStatus, RouteInfo
 from meshtui.client import Usage
+from meshtui.config import ChatSettings
+from meshtui.export import conversation_record, write_export
 from meshtui.state import GenerationRecord, MeshState, NodeState, layer_coverage, layer_runs, short_reason
 from tests.tui_data import HEAD, NOW, REPLICA, WORKER, failover_route, node_status, session, session_list
 
@@ -159,7 +163,56 @@ def test_prompt_reuse_comes_from_the_usage_block_else_the_meshnet_one():
     assert Usage.from_dict({"prompt_tokens": 12, "prompt_tokens_details": None}) == Usage(prompt_tokens=12)
 
 
-def test_state_client_and_config_know_nothing_of_textual():
-    code = ("import sys, meshtui.state, meshtui.client, meshtui.config; "
+def test_state_client_config_and_export_know_nothing_of_textual():
+    code = ("import sys, meshtui.state, meshtui.client, meshtui.config, meshtui.export; "
             "assert not [m for m in sys.modules if m.split('.')[0] in ('textual', 'torch')]")
     subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, check=True, timeout=60)
+
+
+def test_the_chat_limits_come_from_the_heads_status_and_old_nodes_report_none():
+    state = MeshState()
+    state.set_head(HEAD)
+    assert (state.chat_limits.max_tokens, state.chat_limits.context_length) == (None, None)  # not polled yet
+    reported = node_status(HEAD, 0, 30)
+    reported.max_tokens_cap, reported.context_length = 2048, 8192
+    state.record_poll(HEAD, reported, None, None, NOW)
+    assert (state.chat_limits.max_tokens, state.chat_limits.context_length) == (2048, 8192)
+    old = node_status(HEAD, 0, 30).to_dict()
+    del old["max_tokens_cap"], old["context_length"]  # a node from before they were reported
+    state.record_poll(HEAD, NodeStatus.from_dict(old), None, None, NOW + 1)
+    assert (state.chat_limits.max_tokens, state.chat_limits.context_length) == (None, None)
+
+
+def test_a_new_conversation_keeps_the_system_prompt_and_drops_late_answers_of_the_old_one():
+    state = MeshState(system_prompt="Be brief.")
+    first = state.start_generation("hi", NOW)
+    first.text = "Hello."
+    state.finish_generation(first, "done")
+    assert state.request_messages("more") == [{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "Hello."},
+                                              {"role": "user", "content": "more"}]
+    late = state.start_generation("more", NOW)
+    late.text = "Half an ans"
+    state.new_conversation()  # while "more" was still streaming: it ends cancelled, after the reset
+    state.finish_generation(late, "cancelled")
+    assert state.conversation == [] and state.conversation_records == []
+    assert state.request_messages("again") == [{"role": "system", "content": "Be brief."},
+                                               {"role": "user", "content": "again"}]
+    assert len(state.generations) == 2  # the Throughput view keeps its history
+
+
+def test_an_export_never_overwrites_one_made_in_the_same_second(tmp_path):
+    state = MeshState()
+    record = state.start_generation("hi", NOW)
+    record.text = "Hello."
+    state.finish_generation(record, "done")
+    data = conversation_record(state, ChatSettings(), NOW)
+    first = write_export(tmp_path, data, NOW)
+    second = write_export(tmp_path, data, NOW)
+    stem = time.strftime("chat-%Y%m%d-%H%M%S", time.localtime(NOW))  # the local time, as the operator reads it
+    assert [p.name for p in first] == [f"{stem}.md", f"{stem}.json"]
+    assert [p.name for p in second] == [f"{stem}-2.md", f"{stem}-2.json"]
+    assert json.loads(second[1].read_text())["messages"] == [{"role": "user", "content": "hi"},
+                                                             {"role": "assistant", "content": "Hello."}]
+    assert "## You\n\nhi\n\n## the mesh\n\nHello.\n" in first[0].read_text()  # no model known: still readable

@@ -66,7 +66,8 @@ def store(sessions: int, nbytes: int, *, hits: int = 0, misses: int = 0, evictio
 def node_status(url: str, start: int, end: int, *, peers: list[str] = (), time: float = NOW,
                 tokens_served: int = 0, steps_served: int = 0, active_steps: int = 0,
                 active_generations: int = 0, sessions: int = 0, kv_cache: bool = True,
-                model: ModelSummary = MODEL, draining: bool = False) -> NodeStatus:
+                model: ModelSummary = MODEL, draining: bool = False, max_tokens_cap: int = 4096,
+                context_length: int = 8192) -> NodeStatus:
     roles = ["head", "tail"] if end == model.num_layers else ["head"]
     weights = (end - start) * 7_000_000 + (56_623_104 if start == 0 else 0)  # bfloat16 layers, embeddings on the head
     return NodeStatus(
@@ -77,6 +78,7 @@ def node_status(url: str, start: int, end: int, *, peers: list[str] = (), time: 
         peers=[PeerSummary(p, True, last_seen=time) for p in peers], time=time, started_at=NOW - 3600,
         steps_served=steps_served, tokens_served=tokens_served, draining=draining, dtype="bfloat16", device="cpu",
         memory=MemoryInfo(peak_rss_bytes=420 * 2**20 + weights, rss_bytes=400 * 2**20 + weights),
+        max_tokens_cap=max_tokens_cap, context_length=context_length,
     )
 
 

@@ -187,6 +187,8 @@ class NodeStatus:
     device: str = ""  # where they live: cpu, cuda:0, mps
     quantize: str | None = None  # the decoder layers' weights: int8, or as the dtype says
     memory: MemoryInfo = field(default_factory=MemoryInfo)
+    context_length: int = 0  # tokens the model can attend to, prompt and answer together; 0: not reported
+    max_tokens_cap: int = 0  # the most new tokens a chat request may ask this node (as head) for; 0: not reported
 
     @property
     def layers(self) -> str:

@@ -1,4 +1,4 @@
-"""The Chat view: a prompt, and answers streamed from the head token by token."""
+"""The Chat view: a prompt, and answers streamed from the head token by token, under the system prompt if set."""
 
 from __future__ import annotations
 
@@ -11,9 +11,17 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Input, Static
 
 from meshtui.config import ChatSettings
-from meshtui.messages import CancelRequested, ChatSettingsChanged, PromptSubmitted
+from meshtui.messages import (
+    CancelRequested,
+    ChatSettingsChanged,
+    ExportRequested,
+    NewConversationRequested,
+    PromptSubmitted,
+    SystemPromptChanged,
+)
+from meshtui.screens.modals import SystemPromptScreen
 from meshtui.screens.settings import ChatSettingsScreen
-from meshtui.state import GenerationRecord
+from meshtui.state import GenerationRecord, MeshState
 from meshtui.widgets.formatting import format_rate, plural
 
 if TYPE_CHECKING:
@@ -23,14 +31,20 @@ if TYPE_CHECKING:
 class ChatView(Vertical):
     """The conversation follows new text only while the operator is at its bottom (an anchored scroll)."""
 
+    # Ctrl keys, not letters: they work while the prompt has the focus (Input keeps ctrl+a/e/d/k/u/w/x/c/v)
     BINDINGS = [
-        Binding("escape", "cancel", "Cancel answer", id="chat.cancel"),
+        Binding("escape", "cancel", "Cancel", id="chat.cancel", tooltip="Cancel the answer being streamed"),
+        Binding("ctrl+n", "new_conversation", "New chat", id="chat.new"),
+        Binding("ctrl+t", "system_prompt", "System", id="chat.system", tooltip="System prompt"),
         Binding("ctrl+s", "settings", "Sampling", id="chat.settings"),
+        Binding("ctrl+o", "export", "Export", id="chat.export"),
     ]
 
-    def __init__(self, settings: ChatSettings, *, id: str | None = None) -> None:
+    def __init__(self, settings: ChatSettings, state: MeshState, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.settings = settings
+        self.state = state
+        self.system = Static(id="chat-system")
         self.conversation = VerticalScroll(id="conversation")
         self.status = Static(id="chat-status")
         self.prompt = Input(placeholder="Ask the mesh…  (Enter sends)", id="prompt")
@@ -39,6 +53,7 @@ class ChatView(Vertical):
         self._last: GenerationRecord | None = None  # the latest answer that ended, however it ended
 
     def compose(self) -> ComposeResult:
+        yield self.system
         with self.conversation:
             yield Static(Text("Ask the mesh anything: the head plans a route and streams the answer here. "
                               "Every turn is sent again, so the model sees the whole conversation.",
@@ -49,6 +64,7 @@ class ChatView(Vertical):
     def on_mount(self) -> None:
         self.conversation.anchor()
         self.show_settings(self.settings)
+        self.show_system_prompt()
 
     @property
     def streaming(self) -> bool:
@@ -87,8 +103,24 @@ class ChatView(Vertical):
             await answer.finish(record)
         if self._streaming is record:
             self._streaming = None
-        self._last = record
+        if answer is not None:  # else an answer of a conversation cleared since: nothing of it is shown
+            self._last = record
         self._show_status()
+
+    async def clear(self) -> None:
+        """A new conversation: every turn off the pane, the hint back."""
+        self._answers = {}
+        self._streaming = self._last = None
+        await self.conversation.query_children().exclude("#chat-hint").remove()
+        self._show_status()
+
+    def show_system_prompt(self) -> None:
+        """The system prompt above the conversation, while there is one."""
+        text = self.state.system_prompt
+        self.system.display = bool(text)
+        line = Text("system  ", style="bold")
+        line.append(text.replace("\n", " ⏎ "))
+        self.system.update(line)
 
     def show_settings(self, settings: ChatSettings) -> None:
         self.settings = settings
@@ -122,7 +154,7 @@ class ChatView(Vertical):
         if self.streaming:
             self.post_message(CancelRequested())
         else:
-            # nothing to cancel: leave the prompt so single-key bindings (1-4, ...) work again
+            # nothing to cancel: leave the prompt so the single-letter shortcuts (1-4, a, r, ?) work again
             self.conversation.focus()
 
     def action_settings(self) -> None:
@@ -130,7 +162,20 @@ class ChatView(Vertical):
             if settings is not None:
                 self.post_message(ChatSettingsChanged(settings))
 
-        self.app.push_screen(ChatSettingsScreen(self.settings), save)
+        self.app.push_screen(ChatSettingsScreen(self.settings, self.state.chat_limits), save)
+
+    def action_new_conversation(self) -> None:
+        self.post_message(NewConversationRequested())
+
+    def action_system_prompt(self) -> None:
+        def save(text: str | None) -> None:
+            if text is not None:
+                self.post_message(SystemPromptChanged(text))
+
+        self.app.push_screen(SystemPromptScreen(self.state.system_prompt), save)
+
+    def action_export(self) -> None:
+        self.post_message(ExportRequested())
 
     def focus_prompt(self) -> None:
         self.prompt.focus()

@@ -38,12 +38,16 @@ class HelpScreen(ModalScreen[None]):
         for row in self.bindings:
             table.add_row(row.where, row.keys, row.description, row.binding_id)
         notes = Text()
-        notes.append("ctrl+p", style="bold")
-        notes.append(" opens the command palette: every action above, plus themes.\n")
+        notes.append("*", style="bold")
+        notes.append(" only where no text field has the focus: in the chat's prompt it is typed.\n")
+        notes.append("^p", style="bold")
+        notes.append(" opens the command palette: every action above, plus themes. ")
+        notes.append("^c", style="bold")
+        notes.append(" copies text selected with the mouse.\n")
         notes.append("Remap a key under ")
         notes.append("[keys]", style="bold")
         notes.append(f" in {self.config_path or 'meshtui.toml'}, e.g. ")
-        notes.append('"chat.cancel" = "ctrl+x"', style="italic")
+        notes.append('"chat.export" = "f9"', style="italic")
         notes.append(". The mouse works everywhere: tabs, rows, buttons.")
         with Vertical(classes="dialog", id="help") as dialog:
             dialog.border_title = "meshtui · keys"

@@ -1,5 +1,9 @@
 """The main screen: the four views in tabs, switched by keys or the mouse, and the keys that work anywhere.
 
+"Anywhere" means while the chat's prompt has the focus too: so every binding here has an F-key or a Ctrl
+key, which an Input does not take for itself. The digits and letters beside them are shortcuts only where
+no text field has the focus (an Input types them).
+
 The first frame holds the Mesh view only. The other views start hidden, so they mount once it is on
 screen (:meth:`MainScreen.mount_views`), or at once if the operator switches to one before that.
 """
@@ -12,6 +16,7 @@ from collections.abc import Callable
 from textual.actions import parse as parse_action
 from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.keys import key_to_character
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, TabbedContent, TabPane
 
@@ -26,6 +31,7 @@ from meshtui.screens.throughput import ThroughputView
 from meshtui.state import MeshState
 
 VIEWS = {"mesh": "Mesh", "sessions": "Sessions", "throughput": "Throughput", "chat": "Chat"}
+VIEW_KEYS = Binding.Group("Views")
 
 
 class MainScreen(Screen):
@@ -34,13 +40,17 @@ class MainScreen(Screen):
     AUTO_FOCUS = "#nodes"  # not Textual's first focusable (the tabs): each focus change at start recomposes the footer
 
     BINDINGS = [
-        Binding("1", "show_view('mesh')", "Mesh", id="view.mesh"),
-        Binding("2", "show_view('sessions')", "Sessions", id="view.sessions"),
-        Binding("3", "show_view('throughput')", "Throughput", id="view.throughput"),
-        Binding("4", "show_view('chat')", "Chat", id="view.chat"),
-        Binding("a", "add_peer", "Add peer", id="peer.add"),
-        Binding("r", "remove_peer", "Remove peer", id="peer.remove", show=False),
+        # one footer entry for the four (the tabs above name them in order); the help screen lists each
+        Binding("f2,1", "show_view('mesh')", "Mesh", id="view.mesh", group=VIEW_KEYS),
+        Binding("f3,2", "show_view('sessions')", "Sessions", id="view.sessions", group=VIEW_KEYS),
+        Binding("f4,3", "show_view('throughput')", "Throughput", id="view.throughput", group=VIEW_KEYS),
+        Binding("f5,4", "show_view('chat')", "Chat", id="view.chat", group=VIEW_KEYS),
+        # peers, off the footer: the Chat view's keys take its width (the help screen and palette list them)
+        Binding("f6,a", "add_peer", "Add peer", id="peer.add", show=False),
+        Binding("f7,r", "remove_peer", "Remove peer", id="peer.remove", show=False),
         Binding("f1,question_mark", "help", "Help", id="app.help"),
+        # Textual's own copy (a focused Input copies its selection first); given an id so it can be remapped
+        Binding("ctrl+c", "copy_text", "Copy", id="app.copy", show=False),
     ]
 
     def __init__(self, state: MeshState, config: ConsoleConfig, clock: Callable[[], float]) -> None:
@@ -51,7 +61,7 @@ class MainScreen(Screen):
         self.mesh_view = MeshView(state, id="mesh-view")
         self.sessions_view = SessionsView(state, id="sessions-view")
         self.throughput_view = ThroughputView(state, id="throughput-view")
-        self.chat_view = ChatView(config.chat, id="chat-view")
+        self.chat_view = ChatView(config.chat, state, id="chat-view")
         self.tabs = TabbedContent(initial="mesh", id="views")
         self._later_views = {"sessions": self.sessions_view, "throughput": self.throughput_view, "chat": self.chat_view}
         # what arrives before a view is mounted is drawn when it mounts: by on_mount, or by mount_views
@@ -166,14 +176,31 @@ class MainScreen(Screen):
         self.app.push_screen(HelpScreen(self.binding_help(), str(self.config.path) if self.config.path else None))
 
     def binding_help(self) -> list[BindingHelp]:
-        """Every binding with an id, with the keys it has now (after ``[keys]`` in the config)."""
+        """Every binding with an id, with the keys it has now (after ``[keys]`` in the config).
+
+        A key an Input would type is marked ``*``: it works only where no text field has the focus."""
         rows = []
         for where, bindings in self.binding_sections():
             for binding in bindings:
-                keys = self.config.keys.get(binding.id, binding.key).split(",")
-                shown = ", ".join(self.app.get_key_display(Binding(key.strip(), binding.action)) for key in keys)
-                rows.append(BindingHelp(where, shown, binding.description, binding.id))
+                keys = [key.strip() for key in self.config.keys.get(binding.id, binding.key).split(",")]
+                shown = ", ".join(self.app.get_key_display(Binding(key, binding.action)) + ("*" if typed(key) else "")
+                                  for key in keys)
+                rows.append(BindingHelp(where, shown, binding.tooltip or binding.description, binding.id))
         return rows
+
+    def remaps_the_prompt_swallows(self) -> list[str]:
+        """``[keys]`` entries for keys meant to work while typing whose every key the chat's prompt takes
+        for itself (a letter, or one of its own: ``ctrl+e`` moves to the end), so they would do nothing there."""
+        prompt_keys = {binding.key for binding in Binding.make_bindings(Input.BINDINGS)}
+        swallowed = []
+        for where, bindings in self.binding_sections():
+            for binding in bindings:
+                keys = self.config.keys.get(binding.id)
+                if where == "sessions" or keys is None or binding.priority:
+                    continue
+                if all(typed(key.strip()) or key.strip() in prompt_keys for key in keys.split(",")):
+                    swallowed.append(f'{binding.id} = "{keys}"')
+        return swallowed
 
     def binding_sections(self) -> list[tuple[str, list[Binding]]]:
         return [("anywhere", [*self.BINDINGS, *self.app.BINDINGS]), ("sessions", SessionsView.BINDINGS),
@@ -186,10 +213,17 @@ class MainScreen(Screen):
         return True
 
     def _actions_on_printable_keys(self) -> set[tuple[str, tuple]]:
-        typed = set()
+        """Actions remapped (in ``[keys]``) to printable keys only: while an Input has the focus, none works."""
+        only_typed = set()
         for binding in self.BINDINGS:
             keys = self.config.keys.get(binding.id, binding.key).split(",")
-            if all(len(key.strip()) == 1 for key in keys):
+            if all(typed(key.strip()) for key in keys):
                 _, name, parameters = parse_action(binding.action)
-                typed.add((name, parameters))
-        return typed
+                only_typed.add((name, parameters))
+        return only_typed
+
+
+def typed(key: str) -> bool:
+    """Whether a focused Input takes ``key`` as text (``1``, ``a``, ``question_mark``), so no binding sees it."""
+    character = key_to_character(key)
+    return character is not None and character.isprintable()

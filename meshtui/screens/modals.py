@@ -1,4 +1,4 @@
-"""Small dialogs: a yes/no confirmation and a peer address prompt."""
+"""Small dialogs: a yes/no confirmation, a peer address prompt and the chat's system prompt."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label
+from textual.widgets import Button, Input, Label, TextArea
 
 from meshtui.config import normalize_url
 
@@ -80,3 +80,39 @@ class PeerScreen(ModalScreen[str | None]):
             self.query_one("#problem", Label).update(f"Not an address: {exc}")
             return
         self.dismiss(url)
+
+
+class SystemPromptScreen(ModalScreen[str | None]):
+    """Edit the conversation's system prompt; dismisses with the new text ("" to have none) or None when cancelled."""
+
+    BINDINGS = [
+        Binding("escape", "dismiss(None)", "Cancel", id="system.cancel"),
+        Binding("ctrl+s", "save", "Save", id="system.save"),
+    ]
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog", id="system-dialog") as dialog:
+            dialog.border_title = "system prompt"
+            dialog.border_subtitle = "ctrl+s saves · esc cancels"
+            yield Label("Sent first in every request of this conversation, as the system message. "
+                        "Empty: none.", classes="detail")
+            yield TextArea(self.text, id="system-text", soft_wrap=True, show_line_numbers=False)
+            with Horizontal(classes="buttons"):
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Clear", id="clear")
+                yield Button("Cancel", id="cancel")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "save":
+            self.action_save()
+        elif event.button.id == "clear":
+            self.query_one("#system-text", TextArea).clear()
+        else:
+            self.dismiss(None)
+
+    def action_save(self) -> None:
+        self.dismiss(self.query_one("#system-text", TextArea).text.strip())

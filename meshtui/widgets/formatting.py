@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
+
+
+def home_relative(path: Path) -> str:
+    """``~/...`` for a path under the home folder: shorter in a notification."""
+    try:
+        return "~/" + str(path.relative_to(Path.home()))
+    except ValueError:
+        return str(path)
 
 
 def short_url(url: str) -> str:
