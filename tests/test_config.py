@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import fields
 from pathlib import Path
 
@@ -217,6 +218,10 @@ def test_kv_variables_reject_bad_values_naming_the_variable(no_file, name, value
 
 # ---- the table of fields drives every source -----------------------------------------------------
 
+# a file holding a usable API key, for the api_key_file cases
+KEY_FILE = Path(tempfile.mkdtemp(prefix="meshnet-test-")) / "api-key"
+KEY_FILE.write_text("f" * 16 + "\n")
+
 # a usable value of every field, none of them its default
 VALID = {
     "model": "/models/x", "layers": "0-14", "host": "0.0.0.0", "port": 8001,
@@ -228,6 +233,9 @@ VALID = {
     "max_body_bytes": 2048, "max_tokens_cap": 100, "max_generations": 4, "max_batch": 1, "step_tokens": 16,
     "shutdown_grace_seconds": 0.0,
     "log_format": "json",
+    "api_key": "k" * 16, "api_key_file": str(KEY_FILE), "allowed_origins": ["https://app.example.com", "*"],
+    "max_model_len": 64, "chat_template": "/templates/chat.jinja", "ssl_certfile": "/tls/node.pem",
+    "ssl_keyfile": "/tls/node.key", "ssl_ca_file": "/tls/ca.pem",
 }
 
 # values every field must refuse, each from the source it can come from: "env" (text), "cli" or "toml" (typed)
@@ -261,6 +269,14 @@ INVALID = {
     "step_tokens": [("env", "8"), ("cli", 15), ("toml", "many")],
     "shutdown_grace_seconds": [("env", "-1"), ("env", "3601"), ("env", "nan"), ("toml", 4000)],
     "log_format": [("env", "xml"), ("cli", "yaml"), ("toml", "")],
+    "api_key": [("env", "short"), ("cli", "has a space in it!"), ("toml", "x" * 257)],
+    "api_key_file": [("env", "/no/such/key-file"), ("cli", ""), ("toml", " ")],
+    "allowed_origins": [("env", "ftp://app"), ("cli", ["https://app.example.com/path"]), ("toml", ["app.example"])],
+    "max_model_len": [("env", "0"), ("env", "long"), ("cli", 1), ("toml", -1)],
+    "chat_template": [("cli", ""), ("toml", " ")],
+    "ssl_certfile": [("cli", ""), ("toml", " ")],
+    "ssl_keyfile": [("cli", ""), ("toml", " ")],
+    "ssl_ca_file": [("cli", ""), ("toml", " ")],
 }
 
 # a value of the wrong type for each kind of field: the TOML file must refuse it
@@ -296,6 +312,8 @@ def test_environment_variable_names_are_unchanged():
         "MESHNET_MAX_BODY_BYTES", "MESHNET_MAX_TOKENS_CAP", "MESHNET_MAX_BATCH", "MESHNET_STEP_TOKENS",
         "MESHNET_MAX_GENERATIONS",
         "MESHNET_SHUTDOWN_GRACE_SECONDS", "MESHNET_LOG_FORMAT",
+        "MESHNET_API_KEY", "MESHNET_API_KEY_FILE", "MESHNET_ALLOWED_ORIGINS", "MESHNET_MAX_MODEL_LEN",
+        "MESHNET_CHAT_TEMPLATE", "MESHNET_SSL_CERTFILE", "MESHNET_SSL_KEYFILE", "MESHNET_SSL_CA_FILE",
     ]
 
 

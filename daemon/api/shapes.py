@@ -187,6 +187,7 @@ class NodeStatus:
     device: str = ""  # where they live: cpu, cuda:0, mps
     quantize: str | None = None  # the decoder layers' weights: int8, or as the dtype says
     memory: MemoryInfo = field(default_factory=MemoryInfo)
+    max_model_len: int | None = None  # the most tokens a generation it heads may hold (prompt and answer)
 
     @property
     def layers(self) -> str:
