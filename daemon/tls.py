@@ -64,9 +64,12 @@ def client_context(ca_file: str | None = None) -> ssl.SSLContext:
 
 def untrusted_certificate(exc: BaseException) -> str | None:
     """A sentence for the peer list when ``exc`` (or its cause) is a failed certificate check, else None."""
-    while exc is not None:
-        if isinstance(exc, ssl.SSLCertVerificationError):
-            detail = exc.verify_message or exc.reason or str(exc)
+    seen = 0
+    while exc is not None and seen < 8:
+        # aiohttp's ClientConnectorCertificateError is an SSLCertVerificationError without its fields: unwrap first
+        inner = getattr(exc, "certificate_error", None)
+        if inner is None and isinstance(exc, ssl.SSLCertVerificationError):
+            detail = getattr(exc, "verify_message", None) or getattr(exc, "reason", None) or str(exc)
             return f"TLS: its certificate is not trusted ({detail})"
-        exc = getattr(exc, "certificate_error", None) or exc.__cause__ or exc.__context__
+        exc, seen = inner or exc.__cause__ or exc.__context__, seen + 1
     return None
