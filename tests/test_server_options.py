@@ -184,3 +184,29 @@ def test_a_server_option_that_does_not_fit_the_model_is_one_line(tmp_path, tiny_
     (tmp_path / "refusing.jinja").write_text("{{ raise_exception('no system turns here') }}")
     result = meshd(tmp_path, "--model", str(tiny_model("llama")), *[a.format(d=tmp_path) for a in args])
     one_line_error(result, *expected)
+
+
+# ---- the console's side --------------------------------------------------------------------------
+
+
+def test_the_console_takes_the_key_by_either_name():
+    from meshtui.config import ConsoleConfig, ConsoleConfigError
+
+    config = ConsoleConfig(token="from-the-config-file")
+    assert config.mesh_token({"MESHNET_API_KEY": KEY}) == KEY
+    assert config.mesh_token({"MESHNET_API_KEY": KEY, "MESHNET_TOKEN": KEY}) == KEY
+    assert config.mesh_token({"MESHNET_API_KEY": ""}) == "from-the-config-file"
+    with pytest.raises(ConsoleConfigError, match="different keys"):
+        config.mesh_token({"MESHNET_API_KEY": KEY, "MESHNET_TOKEN": "another-key-0123456789"})
+    with pytest.raises(ConsoleConfigError, match="MESHNET_API_KEY must be"):
+        config.mesh_token({"MESHNET_API_KEY": "short"})
+
+
+def test_the_console_refuses_an_unusable_ca_file_in_one_line(tmp_path):
+    (tmp_path / "not-pem").write_text("hello\n")
+    result = subprocess.run([sys.executable, "-m", "meshtui", "--config", str(tmp_path / "meshtui.toml"),
+                             "--connect", "https://127.0.0.1:9", "--ssl-ca-file", str(tmp_path / "not-pem")],
+                            capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin",
+                                                                              "HOME": str(tmp_path)})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("meshtui: error: --ssl-ca-file") and result.stderr.count("\n") == 1

@@ -13,6 +13,7 @@ from tests.meshtest import Daemon, free_port
 pytestmark = pytest.mark.slow
 
 TOKENS = 12
+KEY = "tls-mesh-api-key-0123456789"  # by its conventional name: the nodes send it to each other over TLS
 PROMPT = [{"role": "user", "content": "Tell me about owls."}]
 
 
@@ -46,7 +47,7 @@ def tls_mesh(default_model, pki, tmp_path_factory):
             tls = ["--ssl-certfile", str(pki / f"{issuer}-node.pem"), "--ssl-keyfile", str(pki / f"{issuer}-node.pem"),
                    "--ssl-ca-file", str(pki / "mesh-ca.pem")]
             daemon = Daemon(default_model, layers, port=ports[name], extra=tls, log_dir=logs,
-                            peer_urls=[https(ports[p]) for p in peers])
+                            peer_urls=[https(ports[p]) for p in peers], env={"MESHNET_API_KEY": KEY})
             daemon.url = https(ports[name])  # the helper's requests go over TLS too
             return daemon
 
@@ -103,7 +104,7 @@ async def test_the_console_connects_to_https_nodes_with_the_mesh_ca(tls_mesh, pk
 
     monkeypatch.delenv("SSL_CERT_FILE")
     monkeypatch.delenv("MESHNET_SSL_CA_FILE", raising=False)
-    client = DaemonClient(ssl_ca_file=str(pki / "mesh-ca.pem"))
+    client = DaemonClient(ssl_ca_file=str(pki / "mesh-ca.pem"), token=KEY)
     try:
         status = await client.status(tls_mesh["head"].url)
         assert status.layers == "0-14"
@@ -112,7 +113,7 @@ async def test_the_console_connects_to_https_nodes_with_the_mesh_ca(tls_mesh, pk
     finally:
         await client.close()
     monkeypatch.setenv("MESHNET_SSL_CA_FILE", str(pki / "mesh-ca.pem"))  # meshd's variable works for it too
-    client = DaemonClient()
+    client = DaemonClient(token=KEY)
     try:
         assert (await client.status(tls_mesh["tail"].url)).layers == "15-29"
     finally:
