@@ -156,7 +156,7 @@ def load_node(argv: list[str]):
         raise Refused(exc.message) from None
     from daemon.api import format_layers, parse_layers
     from daemon.model.gguf_convert import gguf_layer_count
-    from daemon.model.shard import read_model_info
+    from daemon.model.shard import read_context_length, read_model_info
     from daemon.model.source import gguf_model_file, gguf_range_folder, resolve_model
     from daemon.model.tokenizer import check_chat_template
     from daemon.node import Node
@@ -176,6 +176,9 @@ def load_node(argv: list[str]):
             config = dataclasses.replace(config, dtype=dtype_name(resolve_dtype(config.dtype, device)))
             folder = gguf_range_folder(gguf, start, end, dtype=config.dtype, progress=_say)
         info = read_model_info(folder)
+        context = read_context_length(folder)
+        if config.max_model_len and config.max_model_len > context:
+            raise Refused(f"--max-model-len {config.max_model_len} is more than the model's context ({context})", 2)
         if chat_template is not None:
             try:
                 check_chat_template(folder, chat_template, config.chat_template)
@@ -186,9 +189,6 @@ def load_node(argv: list[str]):
         node = Node.load(config, folder, start, end, threads, tls=tls, chat_template=chat_template)
     except ModelUnavailable as exc:
         raise Refused(exc.message) from None
-    context = node.service.context_length
-    if config.max_model_len and config.max_model_len > context:
-        raise Refused(f"--max-model-len {config.max_model_len} is more than the model's context ({context})", 2)
     weights = sum(node.service.shard.loaded_bytes().values())
     _say(f"loaded in {time.perf_counter() - started:.1f} s, {weights / 1e6:.0f} MB of weights in "
          f"{node.service.dtype} on {node.service.shard.device}; "

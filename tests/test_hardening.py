@@ -189,6 +189,15 @@ def test_a_prompt_longer_than_the_context_is_a_400_before_any_work(limited):
     assert status == 400 and "context" in data["error"]["message"]
 
 
+def test_no_cors_unless_origins_are_allowed(limited):
+    # a node started without --allowed-origins answers no browser's preflight and names no origin
+    status, headers, _ = request("OPTIONS", limited.url + "/v1/chat/completions", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+    assert status == 405 and not any(h.lower().startswith("access-control-") for h in headers)
+    status, headers, _ = request("GET", limited.url + "/v1/models", headers={"Origin": "https://app.example"})
+    assert status == 200 and not any(h.lower().startswith("access-control-") for h in headers)
+
+
 def test_bounds_on_session_ids_and_header_values(limited):
     hidden = limited.get("/v1/status")["model"]["hidden_size"]
     base = {"X-Meshnet-Shape": f"1,1,{hidden}", "X-Meshnet-Cache": "prefill"}

@@ -92,6 +92,7 @@ def test_other_origins_get_no_cors_headers(node):
 
 def test_max_model_len_bounds_prompt_and_answer_and_is_reported(node):
     assert request(node, "GET", "/v1/status", headers=AUTH)[2]["max_model_len"] == 64
+    assert request(node, "GET", "/v1/models", headers=AUTH)[2]["data"][0]["max_model_len"] == 64
     status, _, data = request(node, "POST", "/v1/chat/completions", headers=AUTH,
                               body={"messages": PROMPT, "max_tokens": 65})
     assert status == 400 and data["error"]["param"] == "max_tokens"
