@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
         "config's head_port, and connects it to them; with --connect it attaches to a running head "
         "and starts nothing. Daemons it starts stop when it exits.",
         epilog=f"Config file: --config, else $MESHTUI_CONFIG, else {default_config_path()}. "
-        "Mesh token: if the nodes need one (meshd's MESHNET_TOKEN), set MESHNET_TOKEN for the console too, "
+        "Mesh token: if the nodes need one (meshd's MESHNET_API_KEY or MESHNET_TOKEN), set MESHNET_API_KEY or "
+        "MESHNET_TOKEN for the console too, "
         "or token = \"...\" in the config file. The console sends it on every request and hands it to the "
         "daemons it starts through their environment; there is no --token option, since command lines show "
         "in ps.",

@@ -178,7 +178,7 @@ def _describe(exc: Exception) -> str:
         return "timed out"
     untrusted = untrusted_certificate(exc)  # a ClientConnectorError too, but no refusal: say what to fix
     if untrusted:
-        return f"{untrusted}; set --ssl-ca-file or {CA_FILE_VARIABLE}"
+        return f"{untrusted}; the console trusts the CAs of --ssl-ca-file or {CA_FILE_VARIABLE}, else the system's"
     if isinstance(exc, _aiohttp().ClientConnectorError):
         return "connection refused"
     return f"{exc.__class__.__name__}: {exc}".rstrip(": ")

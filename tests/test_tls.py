@@ -108,10 +108,17 @@ async def test_the_console_connects_to_https_nodes_with_the_mesh_ca(tls_mesh, pk
     try:
         status = await client.status(tls_mesh["head"].url)
         assert status.layers == "0-14"
-        with pytest.raises(DaemonError, match="certificate is not trusted"):
+        with pytest.raises(DaemonError, match="certificate is not trusted") as refused:
             await client.status(tls_mesh["rogue"].url)
     finally:
         await client.close()
+    # the console's mesh view shows a node's poll error as the reason it is down
+    from meshtui.screens.mesh import _down_line
+    from meshtui.state import NodeState
+
+    node = NodeState(tls_mesh["rogue"].url)
+    node.record(None, None, str(refused.value), 0.0)
+    assert "certificate is not trusted" in _down_line(node, 0.0)
     monkeypatch.setenv("MESHNET_SSL_CA_FILE", str(pki / "mesh-ca.pem"))  # meshd's variable works for it too
     client = DaemonClient(token=KEY)
     try:
