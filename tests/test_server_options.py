@@ -57,12 +57,12 @@ def test_the_api_key_from_its_file_guards_every_endpoint_but_health(node):
 def test_a_preflight_from_an_allowed_origin_passes_without_the_key(node):
     status, headers, _ = request(node, "OPTIONS", "/v1/chat/completions", headers={
         "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type"})
+        "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"})
     assert status == 204
     assert headers["Access-Control-Allow-Origin"] == ORIGIN
     assert "POST" in headers["Access-Control-Allow-Methods"]
     allowed = {h.strip().lower() for h in headers["Access-Control-Allow-Headers"].split(",")}
-    assert {"authorization", "content-type"} <= allowed
+    assert {"authorization", "content-type", "x-stainless-os"} <= allowed  # an SDK's own headers pass too
     assert int(headers["Access-Control-Max-Age"]) > 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 
 from aiohttp import web
 
@@ -112,6 +113,18 @@ def _allowed_origin(origins: frozenset[str], request: web.Request) -> str | None
     return origin if origin.rstrip("/") in origins else None
 
 
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
+
+
+def _allowed_headers(request: web.Request) -> str:
+    """Ours, and whatever else the page asked to send (SDKs add their own, e.g. OpenAI's ``X-Stainless-*``):
+    an allowed origin may send any header; the key is what guards the node."""
+    asked = request.headers.get("Access-Control-Request-Headers", "")
+    extra = [name.strip() for name in asked.split(",")[:64] if _HEADER_NAME.fullmatch(name.strip())]
+    known = {name.strip().lower() for name in CORS_HEADERS.split(",")}
+    return ", ".join([CORS_HEADERS, *dict.fromkeys(n for n in extra if n.lower() not in known)])
+
+
 def cors_middleware(origins: list[str]):
     """Answer a CORS preflight (``OPTIONS`` with ``Access-Control-Request-Method``) from an allowed origin.
 
@@ -127,7 +140,7 @@ def cors_middleware(origins: list[str]):
             if origin is not None:
                 return web.Response(status=204, headers={
                     "Access-Control-Allow-Origin": origin, "Access-Control-Allow-Methods": CORS_METHODS,
-                    "Access-Control-Allow-Headers": CORS_HEADERS, "Access-Control-Max-Age": CORS_MAX_AGE,
+                    "Access-Control-Allow-Headers": _allowed_headers(request), "Access-Control-Max-Age": CORS_MAX_AGE,
                     "Vary": "Origin",
                 })
         return await handler(request)
