@@ -179,10 +179,9 @@ class NodeConfig:
     hop_timeout_seconds: float = setting(  # longer steps get proportionally more
         10.0, flag="--hop-timeout", metavar="SECONDS", help="a one-token step on a peer must answer within this, "
         "or the peer counts as failed; longer steps get proportionally more (default 10)", check=between(0.1, 3600))
-    token: str | None = setting(  # every endpoint but /health needs "Authorization: Bearer <token>"
-        None, flag="--token", help="shared mesh token: every endpoint but /health then needs "
-        "'Authorization: Bearer TOKEN', and nodes send it to each other (prefer MESHNET_TOKEN: arguments show "
-        "in ps)", check=_token, secret=True)
+    token: str | None = setting(  # the older name of api_key: load_config gives both fields the key in effect
+        None, flag="--token", help="the older name of --api-key (MESHNET_TOKEN likewise): the shared mesh token "
+        "every endpoint but /health then needs as 'Authorization: Bearer TOKEN'", check=_token, secret=True)
     max_body_bytes: int = setting(
         64 * 1024 * 1024, flag="--max-body-bytes", metavar="BYTES",
         help="largest request body (default 64 MiB); larger is a 413", check=at_least(1024))
