@@ -126,9 +126,9 @@ def load_node(argv: list[str]):
                      "WARNING: run generations, read session ids and send activations. Set MESHNET_API_KEY (the",
                      "WARNING: same on every node) or bind 127.0.0.1."):
             _say(line)
+    from daemon.api.tls import NodeTLS, TLSConfigError, client_context, server_context
     from daemon.errors import ModelUnavailable
     from daemon.model.tokenizer import read_chat_template
-    from daemon.tls import NodeTLS, TLSConfigError, client_context, server_context
 
     if bool(config.ssl_certfile) != bool(config.ssl_keyfile):
         raise Refused("--ssl-certfile and --ssl-keyfile go together: give both, or neither", 2)

@@ -18,6 +18,7 @@ import aiohttp
 
 from daemon import __version__
 from daemon.api import ModelSummary, NodeStatus, PeerSummary, RouteInfo, SessionList, auth_headers
+from daemon.api.tls import NodeTLS, client_context
 from daemon.config import NodeConfig
 from daemon.errors import RouteUnavailable
 from daemon.kvstore import SessionCacheStore
@@ -28,7 +29,6 @@ from daemon.mesh.routing import Candidate
 from daemon.mesh.transport import HopTransport
 from daemon.metrics import Metrics
 from daemon.model.service import ShardService
-from daemon.tls import NodeTLS, client_context
 
 log = logging.getLogger(__name__)
 

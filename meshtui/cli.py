@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConsoleConfigError, PlanError) as exc:
         return _fail(str(exc))
     if args.ssl_ca_file:
-        from daemon.tls import TLSConfigError, client_context
+        from daemon.api.tls import TLSConfigError, client_context
 
         try:
             client_context(args.ssl_ca_file)  # a bad file is said now, not as every node "down"

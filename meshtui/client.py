@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from daemon.api import GenerationStats, NodeStatus, RouteInfo, SessionList, auth_headers
-from daemon.tls import client_context, untrusted_certificate
+from daemon.api.tls import client_context, untrusted_certificate
 
 if TYPE_CHECKING:
     import aiohttp

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import aiohttp
 
 from daemon.api import PeerSummary, normalize_url
+from daemon.api.tls import untrusted_certificate
 from daemon.mesh.routing import Candidate
-from daemon.tls import untrusted_certificate
 
 FORGET_AFTER_SECONDS = 60.0  # a learned peer down this long is dropped; seeds are kept for good
 MAX_URL_LENGTH = 2048

@@ -1,6 +1,7 @@
-"""TLS between nodes: the context a node serves HTTPS with, and the one it verifies https:// peers with.
+"""TLS for meshd and the console: the context a node serves HTTPS with, and the one that verifies
+https:// nodes (a node's peers, or the nodes the console polls). Only ``ssl``: the console imports it too.
 
-Both are built once at startup, so a missing, unreadable or mismatched file is a one-line error
+Contexts are built once at startup, so a missing, unreadable or mismatched file is a one-line error
 before the model loads, never a failure on the first request.
 """
 
