@@ -485,3 +485,45 @@ def test_toml_value_of_wrong_type_names_the_file(tmp_path, line):
     path = write_toml(tmp_path, line + "\n")
     with pytest.raises(ConfigError, match="meshd.toml"):
         load_config({}, {}, path)
+
+
+# ---- the API key and its older name --------------------------------------------------------------
+
+
+def test_the_api_key_and_the_token_are_one_setting_in_precedence_order(tmp_path, no_file):
+    a, b, c = "a" * 16, "b" * 16, "c" * 16
+    cfg = load_config({"token": a}, {"MESHNET_API_KEY": b}, no_file)  # the command line wins, by either name
+    assert cfg.api_key == cfg.token == a
+    cfg = load_config({}, {"MESHNET_TOKEN": b}, write_toml(tmp_path, f'api_key = "{c}"\n'))
+    assert cfg.api_key == cfg.token == b
+    # a key file lower in the order is never read: the environment already gave the key
+    path = write_toml(tmp_path, 'api_key_file = "/no/such/file"\n')
+    assert load_config({}, {"MESHNET_API_KEY": b}, path).api_key == b
+    assert load_config({}, {"MESHNET_API_KEY": a, "MESHNET_TOKEN": a}, no_file).api_key == a  # the same key twice
+
+
+def test_the_api_key_file_gives_its_first_line(tmp_path, no_file):
+    key_file = tmp_path / "key"
+    key_file.write_text("\n  " + "k" * 20 + "  \nnot this line\n")
+    cfg = load_config({"api_key_file": str(key_file)}, {}, no_file)
+    assert cfg.api_key == cfg.token == "k" * 20 and cfg.api_key_file == str(key_file)
+    with pytest.raises(ConfigError, match="different keys"):
+        load_config({"api_key_file": str(key_file), "api_key": "z" * 16}, {}, no_file)
+    key_file.write_text("secret words but far too loose\n")
+    with pytest.raises(ConfigError, match="the key must be") as info:
+        load_config({"api_key_file": str(key_file)}, {}, no_file)
+    assert "secret" not in str(info.value)  # the key is never echoed
+
+
+def test_allowed_origins_split_on_commas_from_every_source(tmp_path, no_file):
+    want = ["https://a.example", "http://localhost:3000"]
+    assert load_config({"allowed_origins": ["https://a.example,http://localhost:3000"]}, {}, no_file) \
+        .allowed_origins == want
+    assert load_config({}, {"MESHNET_ALLOWED_ORIGINS": "https://a.example, http://localhost:3000"}, no_file) \
+        .allowed_origins == want
+    assert load_config({}, {}, write_toml(tmp_path, f"allowed_origins = {json.dumps(want)}\n")).allowed_origins == want
+
+
+def test_a_tls_node_advertises_https(no_file):
+    cfg = load_config({"ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem", "port": 8443}, {}, no_file)
+    assert cfg.url == "https://127.0.0.1:8443"
