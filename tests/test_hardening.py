@@ -136,11 +136,12 @@ def test_binding_beyond_loopback_without_a_token_warns_loudly(tmp_path):
                           "--model", str(missing)], capture_output=True, text=True, timeout=120,
                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert run.returncode != 0
-    assert "WARNING: listening on 0.0.0.0 without a token" in run.stderr
-    quiet = subprocess.run([sys.executable, "-m", "daemon.cli", "--host", "0.0.0.0", "--port", str(free_port()),
-                            "--model", str(missing)], capture_output=True, text=True, timeout=120,
-                           env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MESHNET_TOKEN": TOKEN})
-    assert "WARNING" not in quiet.stderr and "error" in quiet.stderr
+    assert "WARNING: listening on 0.0.0.0 without an API key" in run.stderr
+    for variable in ("MESHNET_TOKEN", "MESHNET_API_KEY"):  # the key by either name
+        quiet = subprocess.run([sys.executable, "-m", "daemon.cli", "--host", "0.0.0.0", "--port", str(free_port()),
+                                "--model", str(missing)], capture_output=True, text=True, timeout=120,
+                               env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), variable: TOKEN})
+        assert "WARNING" not in quiet.stderr and "error" in quiet.stderr
 
 
 # ---- limits ------------------------------------------------------------------------------------
