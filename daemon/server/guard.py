@@ -110,7 +110,7 @@ def _allowed_origin(origins: frozenset[str], request: web.Request) -> str | None
         return None
     if "*" in origins:
         return "*"
-    return origin if origin.rstrip("/") in origins else None
+    return origin if origin.rstrip("/").lower() in origins else None  # scheme and host ignore case
 
 
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
@@ -131,7 +131,7 @@ def cors_middleware(origins: list[str]):
     A preflight carries no Authorization header by design, so it is answered before the key is checked;
     the request it clears still needs the key. Other origins' preflights go on to the usual refusal.
     """
-    allowed = frozenset(o.rstrip("/") for o in origins)
+    allowed = frozenset(o.rstrip("/").lower() for o in origins)
 
     @web.middleware
     async def preflight(request: web.Request, handler):
@@ -153,7 +153,7 @@ def cors_response_headers(origins: list[str]):
 
     As a signal, not a middleware, so streamed answers (prepared inside their handler) and errors get them too.
     """
-    allowed = frozenset(o.rstrip("/") for o in origins)
+    allowed = frozenset(o.rstrip("/").lower() for o in origins)
 
     async def add_headers(request: web.Request, response: web.StreamResponse) -> None:
         origin = _allowed_origin(allowed, request)
