@@ -122,11 +122,25 @@ def load_node(argv: list[str]):
     from daemon.logs import setup_logging
 
     setup_logging(level=config.log_level, fmt=config.log_format, node=config.url)
-    if not is_loopback(config.host) and not config.token:
-        for line in (f"WARNING: listening on {config.host} without a token: anyone who can reach this port can",
-                     "WARNING: run generations, read session ids and send activations. Set MESHNET_TOKEN (the same",
-                     "WARNING: on every node) or bind 127.0.0.1."):
+    if not is_loopback(config.host) and not config.api_key:
+        for line in (f"WARNING: listening on {config.host} without an API key: anyone who can reach this port can",
+                     "WARNING: run generations, read session ids and send activations. Set MESHNET_API_KEY (the",
+                     "WARNING: same on every node) or bind 127.0.0.1."):
             _say(line)
+    from daemon.api.tls import NodeTLS, TLSConfigError, client_context, server_context
+    from daemon.errors import ModelUnavailable
+    from daemon.model.tokenizer import read_chat_template
+
+    if bool(config.ssl_certfile) != bool(config.ssl_keyfile):
+        raise Refused("--ssl-certfile and --ssl-keyfile go together: give both, or neither", 2)
+    try:  # files are read now: a bad one is refused before the model loads, not on the first request
+        tls = NodeTLS(server=server_context(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile else None,
+                      client=client_context(config.ssl_ca_file))
+        chat_template = read_chat_template(config.chat_template) if config.chat_template else None
+    except TLSConfigError as exc:
+        raise Refused(str(exc), 2) from None
+    except ModelUnavailable as exc:
+        raise Refused(exc.message, 2) from None
     threads = config.threads or default_threads(config)
     # before torch is imported: OpenMP workers spin about 1 ms after a parallel region, then sleep. A step
     # runs hundreds of small regions a few microseconds apart: a worker that slept after each one (as with
@@ -135,7 +149,6 @@ def load_node(argv: list[str]):
     os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINS))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
-    from daemon.errors import ModelUnavailable
     from daemon.model.device import dtype_name, resolve_device, resolve_dtype
 
     try:
@@ -144,8 +157,9 @@ def load_node(argv: list[str]):
         raise Refused(exc.message) from None
     from daemon.api import format_layers, parse_layers
     from daemon.model.gguf_convert import gguf_layer_count
-    from daemon.model.shard import read_model_info
+    from daemon.model.shard import read_context_length, read_model_info
     from daemon.model.source import gguf_model_file, gguf_range_folder, resolve_model
+    from daemon.model.tokenizer import check_chat_template
     from daemon.node import Node
 
     started = time.perf_counter()
@@ -163,9 +177,17 @@ def load_node(argv: list[str]):
             config = dataclasses.replace(config, dtype=dtype_name(resolve_dtype(config.dtype, device)))
             folder = gguf_range_folder(gguf, start, end, dtype=config.dtype, progress=_say)
         info = read_model_info(folder)
+        context = read_context_length(folder)
+        if config.max_model_len and config.max_model_len > context:
+            raise Refused(f"--max-model-len {config.max_model_len} is more than the model's context ({context})", 2)
+        if chat_template is not None:
+            try:
+                check_chat_template(folder, chat_template, config.chat_template)
+            except ModelUnavailable as exc:
+                raise Refused(exc.message, 2) from None
         _say(f"loading layers {format_layers(start, end)} of {info.name} ({info.num_layers} layers) "
              f"with {threads} thread(s)")
-        node = Node.load(config, folder, start, end, threads)
+        node = Node.load(config, folder, start, end, threads, tls=tls, chat_template=chat_template)
     except ModelUnavailable as exc:
         raise Refused(exc.message) from None
     weights = sum(node.service.shard.loaded_bytes().values())
@@ -179,7 +201,8 @@ def node_app(node):
     """The node's HTTP application, as its configuration asks."""
     from daemon.server.app import create_app
 
-    return create_app(node, token=node.config.token, max_body_bytes=node.config.max_body_bytes)
+    return create_app(node, token=node.config.api_key, max_body_bytes=node.config.max_body_bytes,
+                      allowed_origins=node.config.allowed_origins)
 
 
 def run(app, node) -> int:
@@ -220,7 +243,7 @@ async def serve_until_stopped(app, node) -> None:
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.port, shutdown_timeout=1.0).start()
+        await web.TCPSite(runner, config.host, config.port, shutdown_timeout=1.0, ssl_context=node.tls.server).start()
         _say(f"serving on {config.url}")
         stop, now = asyncio.Event(), asyncio.Event()
 

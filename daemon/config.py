@@ -73,6 +73,21 @@ def _address(value: str) -> str | None:
     return None if usable and not any(c.isspace() for c in value) else "must be an address like http://127.0.0.1:7071"
 
 
+def _origins(values: list[str]) -> str | None:
+    # a CORS origin is scheme://host[:port], nothing after it; * allows any
+    for value in values:
+        if value == "*":
+            continue
+        try:
+            parts = urllib.parse.urlsplit(value)
+            usable = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        except ValueError:
+            usable = False
+        if not usable or parts.path or parts.query or parts.fragment or any(c.isspace() for c in value):
+            return f"must be origins like https://app.example.com or * ({value!r} is not)"
+    return None
+
+
 DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(?::\d+)?")
 
 
@@ -164,10 +179,9 @@ class NodeConfig:
     hop_timeout_seconds: float = setting(  # longer steps get proportionally more
         10.0, flag="--hop-timeout", metavar="SECONDS", help="a one-token step on a peer must answer within this, "
         "or the peer counts as failed; longer steps get proportionally more (default 10)", check=between(0.1, 3600))
-    token: str | None = setting(  # every endpoint but /health needs "Authorization: Bearer <token>"
-        None, flag="--token", help="shared mesh token: every endpoint but /health then needs "
-        "'Authorization: Bearer TOKEN', and nodes send it to each other (prefer MESHNET_TOKEN: arguments show "
-        "in ps)", check=_token, secret=True)
+    token: str | None = setting(  # the older name of api_key: load_config gives both fields the key in effect
+        None, flag="--token", help="the older name of --api-key (MESHNET_TOKEN likewise): the shared mesh token "
+        "every endpoint but /health then needs as 'Authorization: Bearer TOKEN'", check=_token, secret=True)
     max_body_bytes: int = setting(
         64 * 1024 * 1024, flag="--max-body-bytes", metavar="BYTES",
         help="largest request body (default 64 MiB); larger is a 413", check=at_least(1024))
@@ -190,11 +204,35 @@ class NodeConfig:
     log_format: str = setting(
         "auto", flag="--log-format", choices=("auto", "text", "json"),
         help="log lines as text or JSON objects (default auto: text on a terminal, JSON otherwise)")
+    # ---- server conventions and TLS (issue 16): the API key, CORS, the context cap, the chat template ----
+    api_key: str | None = setting(  # the mesh token under its conventional name; --token is its alias
+        None, flag="--api-key", metavar="KEY", help="the mesh's API key: every endpoint but /health then needs "
+        "'Authorization: Bearer KEY', and nodes send it to each other (prefer MESHNET_API_KEY or --api-key-file: "
+        "arguments show in ps; --token and MESHNET_TOKEN are older names for it)", check=_token, secret=True)
+    api_key_file: str | None = setting(
+        None, flag="--api-key-file", metavar="PATH", help="read the API key from this file (its first line)")
+    allowed_origins: list[str] = setting(
+        [], flag="--allowed-origins", metavar="ORIGIN[,ORIGIN]", help="browser origins allowed to call this node "
+        "(CORS), e.g. https://app.example.com, or * for any (default: none)", check=_origins)
+    max_model_len: int | None = setting(  # None: the model's own context
+        None, flag="--max-model-len", metavar="N", help="context cap for requests this node heads: prompt plus "
+        "new tokens (default: the model's context; more than it is refused)", check=at_least(2))
+    chat_template: str | None = setting(  # None: the model's own template
+        None, flag="--chat-template", metavar="FILE", help="a Jinja chat template file used instead of the model's")
+    ssl_certfile: str | None = setting(
+        None, flag="--ssl-certfile", metavar="PATH", help="serve HTTPS with this certificate chain (PEM; with "
+        "--ssl-keyfile)")
+    ssl_keyfile: str | None = setting(
+        None, flag="--ssl-keyfile", metavar="PATH", help="the private key of --ssl-certfile (PEM)")
+    ssl_ca_file: str | None = setting(  # None: the system's trust store
+        None, flag="--ssl-ca-file", metavar="PATH", help="CA certificates (PEM) that https:// peers' certificates "
+        "must chain to (default: the system's trust store)")
 
     @property
     def url(self) -> str:
-        """How peers reach this node: ``public_url``, else ``http://host:port``."""
-        return self.public_url or f"http://{self.host}:{self.port}"
+        """How peers reach this node: ``public_url``, else ``http(s)://host:port`` (https when serving TLS)."""
+        scheme = "https" if self.ssl_certfile else "http"
+        return self.public_url or f"{scheme}://{self.host}:{self.port}"
 
 
 _KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
@@ -323,13 +361,57 @@ def load_config(cli: dict, environ: Mapping[str, str] = os.environ, path: Path |
     """
     path = path or (Path(environ["MESHNET_CONFIG"]) if environ.get("MESHNET_CONFIG") else default_config_path())
     # field name -> (value, where it came from); a later source replaces an earlier one
-    given = _from_toml(path) | _from_environ(environ) | _from_cli(cli)
+    sources = (_from_cli(cli), _from_environ(environ), _from_toml(path))  # highest precedence first
+    given = sources[2] | sources[1] | sources[0]
     for name, (value, source) in given.items():
         setting = _BY_NAME[name]
         problem = setting.problem(value)
         if problem:
             raise ConfigError(f"{source} {problem}" + ("" if setting.secret else f", got {value!r}"))
+    given = _one_api_key(given, sources)
     return NodeConfig(**{name: _BY_NAME[name].normalized(value) for name, (value, _) in given.items()})
+
+
+# the API key's names: the first is the field that holds it; the others set it too (the file by its content)
+API_KEY_NAMES = ("api_key", "token", "api_key_file")
+
+
+def _one_api_key(given: dict, sources: tuple[dict, ...]) -> dict:
+    """Resolve the API key's names into one key, held by both ``api_key`` and ``token`` (its older name).
+
+    The highest source that names the key decides; two different keys in that one source are an error.
+    """
+    for source in sources:
+        named = {name: source[name] for name in API_KEY_NAMES if name in source}
+        if named:
+            break
+    else:
+        return given
+    if "api_key_file" in named:
+        path, where = named["api_key_file"]
+        named["api_key_file"] = (read_api_key_file(path, where), where)
+    if len({value for value, _ in named.values()}) > 1:
+        places = " and ".join(where for _, where in named.values())
+        raise ConfigError(f"{places} both set the API key, to different keys: give one")
+    key, where = next(iter(named.values()))
+    given = {name: value for name, value in given.items() if name not in API_KEY_NAMES}
+    if "api_key_file" in named:  # kept where it supplied the key, so the node can say where its key came from
+        given["api_key_file"] = source["api_key_file"]
+    return given | {"api_key": (key, where), "token": (key, where)}
+
+
+def read_api_key_file(path: str, where: str) -> str:
+    """The key in the file at ``path`` (its first line, without surrounding blanks); ConfigError if unusable."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where} {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    key = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if not key:
+        raise ConfigError(f"{where} {path}: the file is empty")
+    if _token(key):
+        raise ConfigError(f"{where} {path}: the key must be {TOKEN_RULE}")
+    return key
 
 
 def _from_toml(path: Path) -> dict[str, tuple[object, str]]:
@@ -374,6 +456,8 @@ def _from_cli(cli: dict) -> dict[str, tuple[object, str]]:
         source = setting.flag or name
         if not setting.has_type(value):
             raise ConfigError(f"{source} must be {setting.kind_name}, got {value!r}")
+        if setting.kind is list:  # a repeated option, each maybe a comma-separated list
+            value = [part.strip() for item in value for part in item.split(",") if part.strip()]
         given[name] = (value, source)
     return given
 

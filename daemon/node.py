@@ -18,6 +18,7 @@ import aiohttp
 
 from daemon import __version__
 from daemon.api import ModelSummary, NodeStatus, PeerSummary, RouteInfo, SessionList, auth_headers
+from daemon.api.tls import NodeTLS, client_context
 from daemon.config import NodeConfig
 from daemon.errors import RouteUnavailable
 from daemon.kvstore import SessionCacheStore
@@ -37,8 +38,10 @@ PEER_REFRESH_SECONDS = 2.0
 class Node:
     """A loaded shard service plus everything a node does with it. Build with :meth:`load`."""
 
-    def __init__(self, config: NodeConfig, service: ShardService, metrics: Metrics) -> None:
+    def __init__(self, config: NodeConfig, service: ShardService, metrics: Metrics, *,
+                 tls: NodeTLS | None = None) -> None:
         self.config = config
+        self.tls = tls or NodeTLS(server=None, client=client_context(config.ssl_ca_file))
         self.service = service
         self.metrics = metrics
         self.url = config.url
@@ -54,14 +57,16 @@ class Node:
             wire_dtype=config.wire_dtype or service.dtype, hop_timeout_seconds=config.hop_timeout_seconds,
             max_generations=config.max_generations, max_tokens_default=config.max_tokens_default,
             max_tokens_cap=config.max_tokens_cap, prefix_reuse=config.prefix_reuse,
+            max_model_len=config.max_model_len,
         ))
         self.draining = False  # set on SIGTERM: finish what runs, take nothing new
         self.started_at = time.time()
         self._http: aiohttp.ClientSession | None = None
 
     @classmethod
-    def load(cls, config: NodeConfig, folder: Path, start: int, end: int, threads: int) -> Node:
-        """Load the shard (blocking). ``[start, end)`` is half-open."""
+    def load(cls, config: NodeConfig, folder: Path, start: int, end: int, threads: int, *,
+             tls: NodeTLS | None = None, chat_template: str | None = None) -> Node:
+        """Load the shard (blocking). ``[start, end)`` is half-open; ``chat_template`` replaces the model's."""
         store = SessionCacheStore(ttl_seconds=config.kv_ttl_seconds, max_sessions=config.kv_max_sessions,
                                   max_bytes=config.kv_max_bytes)
         metrics = Metrics(store.stats)
@@ -70,18 +75,20 @@ class Node:
                                     quantize=config.quantize, on_step=metrics.step_done,
                                     max_batch=config.max_batch, step_tokens=config.step_tokens,
                                     on_batch=metrics.batch_done)
-        return cls(config, service, metrics)
+        service.chat_template = chat_template
+        return cls(config, service, metrics, tls=tls)
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
         """Keep-alive connections for the hops (lean, see ``daemon.mesh.transport``) and for everything else
         (peer polls, session releases), and the peer poll, for as long as the node serves."""
-        headers = auth_headers(self.config.token)  # the mesh token goes on every request
-        connector = aiohttp.TCPConnector(limit=64, keepalive_timeout=60)
+        headers = auth_headers(self.config.api_key)  # the mesh's API key goes on every request
+        # https:// peers are verified (the system's trust store, or --ssl-ca-file) on every connection
+        connector = aiohttp.TCPConnector(limit=64, keepalive_timeout=60, ssl=self.tls.client)
         # nodes set no cookies: a jar that keeps none skips a cookie filter on every hop of every step
         async with aiohttp.ClientSession(connector=connector, headers=headers,
                                          cookie_jar=aiohttp.DummyCookieJar()) as http:
-            transport = HopTransport(headers=headers)
+            transport = HopTransport(headers=headers, ssl_context=self.tls.client)
             self._http = self.planner.http = http
             self.head.connect(transport, http)
             poll = asyncio.create_task(self._poll_peers(http))

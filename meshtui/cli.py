@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         "config's head_port, and connects it to them; with --connect it attaches to a running head "
         "and starts nothing. Daemons it starts stop when it exits.",
         epilog=f"Config file: --config, else $MESHTUI_CONFIG, else {default_config_path()}. "
-        "Mesh token: if the nodes need one (meshd's MESHNET_TOKEN), set MESHNET_TOKEN for the console too, "
+        "Mesh token: if the nodes need one (meshd's MESHNET_API_KEY or MESHNET_TOKEN), set MESHNET_API_KEY or "
+        "MESHNET_TOKEN for the console too, "
         "or token = \"...\" in the config file. The console sends it on every request and hands it to the "
         "daemons it starts through their environment; there is no --token option, since command lines show "
         "in ps.",
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "they split the model's layers evenly")
     p.add_argument("--layers", metavar="A-B", help="inclusive layer range the local head hosts when peers "
                    "are configured (default: the config's local_layers, else the layers no peer hosts)")
+    p.add_argument("--ssl-ca-file", metavar="PATH", help="CA certificates (PEM) that https:// nodes' certificates "
+                   "must chain to (default: $MESHNET_SSL_CA_FILE, else the system's trust store); daemons the "
+                   "console starts get it too")
     p.add_argument("--theme", metavar="NAME", help="Textual theme for this run, e.g. textual-dark, nord, "
                    "gruvbox (default: the config's theme)")
     return p
@@ -137,6 +141,15 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_console(args, config)
     except (ConsoleConfigError, PlanError) as exc:
         return _fail(str(exc))
+    if args.ssl_ca_file:
+        from daemon.api.tls import TLSConfigError, client_context
+
+        try:
+            client_context(args.ssl_ca_file)  # a bad file is said now, not as every node "down"
+        except TLSConfigError as exc:
+            return _fail(str(exc))
+        # the variable meshd reads: the console's client and the daemons it starts verify with the same CAs
+        os.environ["MESHNET_SSL_CA_FILE"] = args.ssl_ca_file
     if args.theme:
         config.theme = args.theme
     if plan.kind != "connect" and (missing := missing_node_packages()):

@@ -6,11 +6,13 @@ Every call has a timeout, so a node that hangs shows as down instead of freezing
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from daemon.api import GenerationStats, NodeStatus, RouteInfo, SessionList, auth_headers
+from daemon.api.tls import client_context, untrusted_certificate
 
 if TYPE_CHECKING:
     import aiohttp
@@ -25,6 +27,7 @@ def _aiohttp():
 
 
 UNAUTHORIZED = "401: wrong or missing token — set MESHNET_TOKEN"
+CA_FILE_VARIABLE = "MESHNET_SSL_CA_FILE"  # meshd's variable for the CAs https:// nodes must chain to
 
 
 class DaemonError(Exception):
@@ -67,16 +70,21 @@ class DaemonClient:
 
     With a mesh ``token`` every request carries ``Authorization: Bearer <token>``: one mesh, one token."""
 
-    def __init__(self, *, timeout: float = 3.0, chat_timeout: float = 600.0, token: str | None = None) -> None:
+    def __init__(self, *, timeout: float = 3.0, chat_timeout: float = 600.0, token: str | None = None,
+                 ssl_ca_file: str | None = None) -> None:
         self._timeout_seconds = timeout
         self._chat_timeout_seconds = chat_timeout
         self._headers = auth_headers(token)
         self._session: aiohttp.ClientSession | None = None
+        # https:// nodes are verified against these CAs (as meshd's --ssl-ca-file), else the system's store
+        self._ssl_ca_file = ssl_ca_file or os.environ.get(CA_FILE_VARIABLE) or None
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = _aiohttp().ClientSession(headers=self._headers)
+            aiohttp = _aiohttp()
+            connector = aiohttp.TCPConnector(ssl=client_context(self._ssl_ca_file)) if self._ssl_ca_file else None
+            self._session = aiohttp.ClientSession(headers=self._headers, connector=connector)
         return self._session
 
     async def close(self) -> None:
@@ -168,6 +176,9 @@ def _error_message(body, status: int) -> str:
 def _describe(exc: Exception) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
+    untrusted = untrusted_certificate(exc)  # a ClientConnectorError too, but no refusal: say what to fix
+    if untrusted:
+        return f"{untrusted}; the console trusts the CAs of --ssl-ca-file or {CA_FILE_VARIABLE}, else the system's"
     if isinstance(exc, _aiohttp().ClientConnectorError):
         return "connection refused"
     return f"{exc.__class__.__name__}: {exc}".rstrip(": ")

@@ -7,7 +7,8 @@
     poll_seconds = 1.0
     local_layers = "0-14"               # what the local head hosts when peers are configured
     head_port = 7070
-    token = "..."                       # the mesh token, when the nodes need one (MESHNET_TOKEN wins)
+    token = "..."                       # the mesh token, when the nodes need one (MESHNET_API_KEY or
+                                        # MESHNET_TOKEN wins)
 
     [keys]                              # binding id -> key(s), shown in the footer
     "chat.cancel" = "escape"
@@ -30,6 +31,7 @@ import tomli_w
 from daemon.api import TOKEN_PATTERN, TOKEN_RULE, normalize_url  # normalize_url: the console imports it from here
 
 TOKEN_VARIABLE = "MESHNET_TOKEN"
+API_KEY_VARIABLE = "MESHNET_API_KEY"  # the token's conventional name, as meshd reads it too
 
 
 def default_config_path() -> Path:
@@ -102,17 +104,21 @@ class ConsoleConfig:
         return config
 
     def mesh_token(self, environ: dict[str, str] | None = None) -> str | None:
-        """The token the console sends: ``MESHNET_TOKEN`` if set, else the file's ``token``, else none.
+        """The token the console sends: ``MESHNET_API_KEY`` or ``MESHNET_TOKEN`` if set, else the file's
+        ``token``, else none.
 
         The environment wins, as it does for meshd; the token is never a command-line option (``ps`` shows those).
         """
         environ = os.environ if environ is None else environ
-        token = environ.get(TOKEN_VARIABLE) or None
-        if token is None:
+        given = {name: environ[name] for name in (API_KEY_VARIABLE, TOKEN_VARIABLE) if environ.get(name)}
+        if not given:
             return self.token
-        if not TOKEN_PATTERN.fullmatch(token):
-            raise ConsoleConfigError(f"{TOKEN_VARIABLE} must be {TOKEN_RULE}")
-        return token
+        for name, token in given.items():
+            if not TOKEN_PATTERN.fullmatch(token):
+                raise ConsoleConfigError(f"{name} must be {TOKEN_RULE}")
+        if len(set(given.values())) > 1:
+            raise ConsoleConfigError(f"{API_KEY_VARIABLE} and {TOKEN_VARIABLE} are set to different keys: set one")
+        return next(iter(given.values()))
 
     def save(self) -> None:
         """Write the file atomically (the operator may be editing peers from two consoles)."""

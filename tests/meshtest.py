@@ -46,7 +46,7 @@ class Daemon:
             args += ["--peer", url]
         self.log_path = (log_dir or Path("/tmp")) / f"meshd-{self.port}.log"
         env = os.environ | (env or {})
-        self.token = env.get("MESHNET_TOKEN")  # sent on every request this helper makes
+        self.token = env.get("MESHNET_API_KEY") or env.get("MESHNET_TOKEN")  # sent on every request this helper makes
         module = "tests.meshd_variants" if variant else "daemon.cli"
         self.process = MeshdProcess([variant, *args] if variant else args, module=module, label=f"meshd {layers}",
                                     env=env, log_path=self.log_path)

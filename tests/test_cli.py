@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -75,6 +77,9 @@ def test_options_not_given_stay_none_so_the_environment_can_win():
     assert args == dict.fromkeys([s.name for s in SETTINGS if s.flag] + ["config"])
 
 
+KEY_FILE = Path(tempfile.mkdtemp(prefix="meshnet-test-")) / "api-key"  # --api-key-file reads it
+KEY_FILE.write_text("f" * 16 + "\n")
+
 OPTION_CASES = [
     (["--model", "/m"], "model", "/m"),
     (["--layers", "0-14"], "layers", "0-14"),
@@ -106,6 +111,15 @@ OPTION_CASES = [
     (["--step-tokens", "64"], "step_tokens", 64),
     (["--shutdown-grace", "0"], "shutdown_grace_seconds", 0.0),
     (["--log-format", "json"], "log_format", "json"),
+    (["--api-key", "k" * 16], "api_key", "k" * 16),
+    (["--api-key-file", str(KEY_FILE)], "api_key_file", str(KEY_FILE)),
+    (["--allowed-origins", "https://a.example,http://b:8", "--allowed-origins", "*"], "allowed_origins",
+     ["https://a.example", "http://b:8", "*"]),
+    (["--max-model-len", "512"], "max_model_len", 512),
+    (["--chat-template", "/t.jinja"], "chat_template", "/t.jinja"),
+    (["--ssl-certfile", "/c.pem"], "ssl_certfile", "/c.pem"),
+    (["--ssl-keyfile", "/k.pem"], "ssl_keyfile", "/k.pem"),
+    (["--ssl-ca-file", "/ca.pem"], "ssl_ca_file", "/ca.pem"),
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import fields
 from pathlib import Path
 
@@ -217,6 +218,10 @@ def test_kv_variables_reject_bad_values_naming_the_variable(no_file, name, value
 
 # ---- the table of fields drives every source -----------------------------------------------------
 
+# a file holding a usable API key, for the api_key_file cases
+KEY_FILE = Path(tempfile.mkdtemp(prefix="meshnet-test-")) / "api-key"
+KEY_FILE.write_text("f" * 16 + "\n")
+
 # a usable value of every field, none of them its default
 VALID = {
     "model": "/models/x", "layers": "0-14", "host": "0.0.0.0", "port": 8001,
@@ -228,6 +233,9 @@ VALID = {
     "max_body_bytes": 2048, "max_tokens_cap": 100, "max_generations": 4, "max_batch": 1, "step_tokens": 16,
     "shutdown_grace_seconds": 0.0,
     "log_format": "json",
+    "api_key": "k" * 16, "api_key_file": str(KEY_FILE), "allowed_origins": ["https://app.example.com", "*"],
+    "max_model_len": 64, "chat_template": "/templates/chat.jinja", "ssl_certfile": "/tls/node.pem",
+    "ssl_keyfile": "/tls/node.key", "ssl_ca_file": "/tls/ca.pem",
 }
 
 # values every field must refuse, each from the source it can come from: "env" (text), "cli" or "toml" (typed)
@@ -261,6 +269,14 @@ INVALID = {
     "step_tokens": [("env", "8"), ("cli", 15), ("toml", "many")],
     "shutdown_grace_seconds": [("env", "-1"), ("env", "3601"), ("env", "nan"), ("toml", 4000)],
     "log_format": [("env", "xml"), ("cli", "yaml"), ("toml", "")],
+    "api_key": [("env", "short"), ("cli", "has a space in it!"), ("toml", "x" * 257)],
+    "api_key_file": [("env", "/no/such/key-file"), ("cli", ""), ("toml", " ")],
+    "allowed_origins": [("env", "ftp://app"), ("cli", ["https://app.example.com/path"]), ("toml", ["app.example"])],
+    "max_model_len": [("env", "0"), ("env", "long"), ("cli", 1), ("toml", -1)],
+    "chat_template": [("cli", ""), ("toml", " ")],
+    "ssl_certfile": [("cli", ""), ("toml", " ")],
+    "ssl_keyfile": [("cli", ""), ("toml", " ")],
+    "ssl_ca_file": [("cli", ""), ("toml", " ")],
 }
 
 # a value of the wrong type for each kind of field: the TOML file must refuse it
@@ -296,6 +312,8 @@ def test_environment_variable_names_are_unchanged():
         "MESHNET_MAX_BODY_BYTES", "MESHNET_MAX_TOKENS_CAP", "MESHNET_MAX_BATCH", "MESHNET_STEP_TOKENS",
         "MESHNET_MAX_GENERATIONS",
         "MESHNET_SHUTDOWN_GRACE_SECONDS", "MESHNET_LOG_FORMAT",
+        "MESHNET_API_KEY", "MESHNET_API_KEY_FILE", "MESHNET_ALLOWED_ORIGINS", "MESHNET_MAX_MODEL_LEN",
+        "MESHNET_CHAT_TEMPLATE", "MESHNET_SSL_CERTFILE", "MESHNET_SSL_KEYFILE", "MESHNET_SSL_CA_FILE",
     ]
 
 
@@ -467,3 +485,45 @@ def test_toml_value_of_wrong_type_names_the_file(tmp_path, line):
     path = write_toml(tmp_path, line + "\n")
     with pytest.raises(ConfigError, match="meshd.toml"):
         load_config({}, {}, path)
+
+
+# ---- the API key and its older name --------------------------------------------------------------
+
+
+def test_the_api_key_and_the_token_are_one_setting_in_precedence_order(tmp_path, no_file):
+    a, b, c = "a" * 16, "b" * 16, "c" * 16
+    cfg = load_config({"token": a}, {"MESHNET_API_KEY": b}, no_file)  # the command line wins, by either name
+    assert cfg.api_key == cfg.token == a
+    cfg = load_config({}, {"MESHNET_TOKEN": b}, write_toml(tmp_path, f'api_key = "{c}"\n'))
+    assert cfg.api_key == cfg.token == b
+    # a key file lower in the order is never read: the environment already gave the key
+    path = write_toml(tmp_path, 'api_key_file = "/no/such/file"\n')
+    assert load_config({}, {"MESHNET_API_KEY": b}, path).api_key == b
+    assert load_config({}, {"MESHNET_API_KEY": a, "MESHNET_TOKEN": a}, no_file).api_key == a  # the same key twice
+
+
+def test_the_api_key_file_gives_its_first_line(tmp_path, no_file):
+    key_file = tmp_path / "key"
+    key_file.write_text("\n  " + "k" * 20 + "  \nnot this line\n")
+    cfg = load_config({"api_key_file": str(key_file)}, {}, no_file)
+    assert cfg.api_key == cfg.token == "k" * 20 and cfg.api_key_file == str(key_file)
+    with pytest.raises(ConfigError, match="different keys"):
+        load_config({"api_key_file": str(key_file), "api_key": "z" * 16}, {}, no_file)
+    key_file.write_text("secret words but far too loose\n")
+    with pytest.raises(ConfigError, match="the key must be") as info:
+        load_config({"api_key_file": str(key_file)}, {}, no_file)
+    assert "secret" not in str(info.value)  # the key is never echoed
+
+
+def test_allowed_origins_split_on_commas_from_every_source(tmp_path, no_file):
+    want = ["https://a.example", "http://localhost:3000"]
+    assert load_config({"allowed_origins": ["https://a.example,http://localhost:3000"]}, {}, no_file) \
+        .allowed_origins == want
+    assert load_config({}, {"MESHNET_ALLOWED_ORIGINS": "https://a.example, http://localhost:3000"}, no_file) \
+        .allowed_origins == want
+    assert load_config({}, {}, write_toml(tmp_path, f"allowed_origins = {json.dumps(want)}\n")).allowed_origins == want
+
+
+def test_a_tls_node_advertises_https(no_file):
+    cfg = load_config({"ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem", "port": 8443}, {}, no_file)
+    assert cfg.url == "https://127.0.0.1:8443"

@@ -136,11 +136,12 @@ def test_binding_beyond_loopback_without_a_token_warns_loudly(tmp_path):
                           "--model", str(missing)], capture_output=True, text=True, timeout=120,
                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert run.returncode != 0
-    assert "WARNING: listening on 0.0.0.0 without a token" in run.stderr
-    quiet = subprocess.run([sys.executable, "-m", "daemon.cli", "--host", "0.0.0.0", "--port", str(free_port()),
-                            "--model", str(missing)], capture_output=True, text=True, timeout=120,
-                           env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MESHNET_TOKEN": TOKEN})
-    assert "WARNING" not in quiet.stderr and "error" in quiet.stderr
+    assert "WARNING: listening on 0.0.0.0 without an API key" in run.stderr
+    for variable in ("MESHNET_TOKEN", "MESHNET_API_KEY"):  # the key by either name
+        quiet = subprocess.run([sys.executable, "-m", "daemon.cli", "--host", "0.0.0.0", "--port", str(free_port()),
+                                "--model", str(missing)], capture_output=True, text=True, timeout=120,
+                               env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), variable: TOKEN})
+        assert "WARNING" not in quiet.stderr and "error" in quiet.stderr
 
 
 # ---- limits ------------------------------------------------------------------------------------
@@ -187,6 +188,15 @@ def test_a_prompt_longer_than_the_context_is_a_400_before_any_work(limited):
         "X-Meshnet-Shape": f"1,2,{hidden}", "X-Meshnet-Cache": "decode", "X-Meshnet-Session": "s1",
         "X-Meshnet-Past-Len": "1023"})
     assert status == 400 and "context" in data["error"]["message"]
+
+
+def test_no_cors_unless_origins_are_allowed(limited):
+    # a node started without --allowed-origins answers no browser's preflight and names no origin
+    status, headers, _ = request("OPTIONS", limited.url + "/v1/chat/completions", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+    assert status == 405 and not any(h.lower().startswith("access-control-") for h in headers)
+    status, headers, _ = request("GET", limited.url + "/v1/models", headers={"Origin": "https://app.example"})
+    assert status == 200 and not any(h.lower().startswith("access-control-") for h in headers)
 
 
 def test_bounds_on_session_ids_and_header_values(limited):

@@ -25,7 +25,8 @@ def run(request):
 class Server:
     """An aiohttp server that records which connection (client port) each request came on."""
 
-    def __init__(self, *, keepalive_timeout: float = 75.0) -> None:
+    def __init__(self, *, keepalive_timeout: float = 75.0, ssl_context=None) -> None:
+        self.ssl_context = ssl_context  # serve HTTPS with it
         self.peers: list[int] = []
         self.requests: list[tuple[dict, bytes]] = []
         self.keepalive_timeout = keepalive_timeout
@@ -39,9 +40,10 @@ class Server:
     async def __aenter__(self) -> Server:
         self.runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=self.keepalive_timeout)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", 0, ssl_context=self.ssl_context)
         await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        scheme = "https" if self.ssl_context else "http"
+        self.url = f"{scheme}://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -349,6 +351,64 @@ def test_headers_that_http_cannot_carry_are_refused_before_anything_is_sent(run,
             hops = HopTransport()
             with pytest.raises(ValueError, match="HTTP/1.1"):
                 await hops.post(server.url + "/echo", b"x", headers=headers, timeout=2.0, connect_timeout=1.0)
+            await hops.close()
+        assert server.requests == []
+    run(main())
+
+
+# ---- TLS -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls():
+    """(server context for 127.0.0.1, a client context trusting its CA, one trusting another CA only)."""
+    import ssl
+
+    trustme = pytest.importorskip("trustme")
+    ca, other = trustme.CA(), trustme.CA()
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server)
+    trusting, untrusting = ssl.create_default_context(), ssl.create_default_context()
+    ca.configure_trust(trusting)
+    other.configure_trust(untrusting)
+    return server, trusting, untrusting
+
+
+def test_https_hops_are_verified_and_kept_alive(run, tls):
+    server_context, trusting, untrusting = tls
+
+    async def main():
+        async with Server(ssl_context=server_context) as server:
+            hops = HopTransport(headers={"Authorization": "Bearer secret-token-123"}, ssl_context=trusting)
+            body = memoryview(bytes(range(256)) * 9)
+            first = await post(hops, server.url + "/echo", body)
+            second = await post(hops, server.url + "/echo", b"abc")
+            await hops.close()
+            refusing = HopTransport(ssl_context=untrusting)
+            with pytest.raises(TransportError, match="certificate is not trusted"):
+                await post(refusing, server.url + "/echo")
+            await refusing.close()
+        assert first.body == bytes(body)[::-1] and second.body == b"cba"
+        assert len(server.peers) == 2 and server.peers[0] == server.peers[1]  # one TLS connection, kept alive
+        assert server.requests[0][0]["Authorization"] == "Bearer secret-token-123"
+    run(main())
+
+
+def test_a_certificate_for_another_name_is_refused(run, tls):
+    import ssl
+
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("node-b.example").configure_cert(server_context)  # valid, but not for 127.0.0.1
+    client = ssl.create_default_context()
+    ca.configure_trust(client)
+
+    async def main():
+        async with Server(ssl_context=server_context) as server:
+            hops = HopTransport(ssl_context=client)
+            with pytest.raises(TransportError, match="not trusted"):
+                await post(hops, server.url + "/echo")
             await hops.close()
         assert server.requests == []
     run(main())

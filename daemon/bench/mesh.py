@@ -31,8 +31,9 @@ class Mesh:
     def __init__(self, name: str, specs: list[tuple[str, list[str]]], model: str | None = None,
                  threads: int | None = None, node_args: list[str] = ()) -> None:
         self.name, self.specs, self.model, self.threads = name, specs, model, threads
-        # a mesh with a token (the daemons inherit MESHNET_TOKEN) wants it on every request
-        self.headers = {"Content-Type": "application/json"} | auth_headers(os.environ.get("MESHNET_TOKEN"))
+        # a mesh with a key (the daemons inherit MESHNET_API_KEY or MESHNET_TOKEN) wants it on every request
+        key = os.environ.get("MESHNET_API_KEY") or os.environ.get("MESHNET_TOKEN")
+        self.headers = {"Content-Type": "application/json"} | auth_headers(key)
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshd-bench-"))
         self.procs: list[MeshdProcess] = []
         ports = [free_port() for _ in self.specs]

@@ -99,6 +99,7 @@ class HeadSettings:
     max_tokens_default: int = 256
     max_tokens_cap: int = 4096
     prefix_reuse: str = "shared"  # shared, client or off (see daemon.mesh.prefix)
+    max_model_len: int | None = None  # --max-model-len: a context cap below the model's (None: the model's)
 
 
 class Head:
@@ -120,7 +121,8 @@ class Head:
 
     @property
     def context_length(self) -> int:
-        return self.own.context_length
+        """The most tokens a generation may hold, prompt and answer: the model's context, or --max-model-len."""
+        return min(self.own.context_length, self.settings.max_model_len or self.own.context_length)
 
     @property
     def max_tokens_cap(self) -> int:

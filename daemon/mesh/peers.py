@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from daemon.api import PeerSummary, normalize_url
+from daemon.api.tls import untrusted_certificate
 from daemon.mesh.routing import Candidate
 
 FORGET_AFTER_SECONDS = 60.0  # a learned peer down this long is dropped; seeds are kept for good
@@ -114,7 +115,9 @@ class PeerDirectory:
             if not isinstance(status, dict) or not isinstance(status.get("model"), dict):
                 raise ValueError("its /v1/status is not a meshd status")
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            peer.mark_down(f"{exc.__class__.__name__}: {exc}".strip(": "), self._clock())
+            # an untrusted certificate is said as such: the operator must fix trust, not the network
+            error = untrusted_certificate(exc) or f"{exc.__class__.__name__}: {exc}".strip(": ")
+            peer.mark_down(error, self._clock())
             return
         if self.node_id and status.get("node_id") == self.node_id:
             # another address of this very node (localhost vs 127.0.0.1, a public URL): not a peer

@@ -159,11 +159,11 @@ class HopTransport:
     ``headers`` go on every request (the mesh token). Not thread-safe: one event loop.
     """
 
-    def __init__(self, *, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(self, *, headers: Mapping[str, str] | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
         self._headers = _header_lines(headers or {})
         self._idle: dict[_Address, list[_Connection]] = {}
         self._addresses: dict[str, tuple[_Address, str]] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context  # verifies https:// nodes; None: the system's trust store, made on first use
 
     async def post(self, url: str, body, *, headers: Mapping[str, str], timeout: float,
                    connect_timeout: float) -> HopResponse:
@@ -226,7 +226,7 @@ class HopTransport:
     async def _connect(self, address: _Address, timeout: float) -> _Connection:
         loop = asyncio.get_running_loop()
         tls = None
-        if address.tls:
+        if address.tls:  # verified: the certificate must chain to a trusted CA and name address.host
             self._ssl = self._ssl or ssl.create_default_context()
             tls = self._ssl
         try:
@@ -236,7 +236,9 @@ class HopTransport:
                     server_hostname=address.host if tls else None)
         except TimeoutError:
             raise TransportError(f"could not connect within {timeout:g} s") from None
-        except OSError as exc:
+        except ssl.SSLCertVerificationError as exc:
+            raise TransportError(f"TLS: its certificate is not trusted ({exc.verify_message or exc})") from None
+        except OSError as exc:  # ssl.SSLError too: a handshake that failed
             raise TransportError(f"cannot connect: {exc.strerror or exc}") from None
         return conn
 

@@ -56,6 +56,7 @@ class ShardService:
         self.info = shard.info
         self.hidden_size = shard.info.hidden_size
         self.context_length = getattr(shard.config, "max_position_embeddings", None) or wire.MAX_SEQUENCE
+        self.chat_template: str | None = None  # --chat-template's text, used instead of the model's
         self.kv_cache_enabled = kv_cache  # as configured; whether the layers take a cache is the shard's
         self.fixed_threads = threads
         self.cores = _core_share() if share_cores else None
@@ -267,7 +268,10 @@ class ShardService:
         """The embeddings and tokenizer, loaded on first use as head."""
         if not self.shard.is_head_loaded:
             await self.run(self.shard.ensure_head)
-        return self.shard.tokenizer
+        tokenizer = self.shard.tokenizer
+        if self.chat_template is not None:  # a head shard loads its tokenizer with its weights: set it here
+            tokenizer.use_chat_template(self.chat_template)
+        return tokenizer
 
     async def embed(self, token_ids: list[int], *, dtype: str) -> wire.Activation:
         return await self.run(lambda: to_activation(self.shard.embed(token_ids), dtype=dtype))

@@ -116,6 +116,16 @@ def read_model_info(folder: Path, config=None) -> ModelInfo:
     )
 
 
+def read_context_length(folder: Path) -> int:
+    """The most positions the model in ``folder`` takes, as a node enforces it (``ShardService.context_length``)."""
+    from transformers import AutoConfig
+
+    from daemon.wire import MAX_SEQUENCE
+
+    text = AutoConfig.from_pretrained(folder).get_text_config()
+    return getattr(text, "max_position_embeddings", None) or MAX_SEQUENCE
+
+
 class ModelShard:
     """Decoder layers ``[start, end)`` of the model in ``folder``, plus what its roles need.
 

@@ -31,6 +31,10 @@ class ChatTokenizer:
             raise ModelUnavailable(f"cannot load the tokenizer from {folder}: {exc}") from None
         return cls(tokenizer, config=config, generation=read_generation_config(folder))
 
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with ``template`` (Jinja, as in a model's tokenizer_config) instead of the model's."""
+        self._tokenizer.chat_template = template
+
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The chat template applied to ``messages``, ending where the assistant's answer begins."""
         encoded = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -61,3 +65,39 @@ class ChatTokenizer:
 def read_generation_config(folder: Path) -> dict:
     path = Path(folder) / "generation_config.json"
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+# what a chat template must render at startup: a user turn, an answer, a second user turn
+SAMPLE_CHAT = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi, how can I help?"},
+               {"role": "user", "content": "Tell me about owls."}]
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a ``--chat-template`` file; ModelUnavailable (one line) when it cannot be read or is empty."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelUnavailable(f"--chat-template {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") \
+            from None
+    if not text.strip():
+        raise ModelUnavailable(f"--chat-template {path}: the file is empty")
+    return text
+
+
+def check_chat_template(folder: Path, template: str, path: str) -> None:
+    """Render :data:`SAMPLE_CHAT` with ``template`` and the tokenizer of the model in ``folder``, so a broken
+    template is refused at startup, not on the first request (ModelUnavailable, one line)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # noqa: BLE001 - any tokenizer failure means the same thing to the user
+        raise ModelUnavailable(f"cannot load the tokenizer from {folder}: {exc}") from None
+    tokenizer.chat_template = template
+    try:
+        text = tokenizer.apply_chat_template(SAMPLE_CHAT, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - Jinja syntax, undefined names, raise_exception(...) in the template
+        detail = " ".join(str(exc).split()) or exc.__class__.__name__
+        raise ModelUnavailable(f"--chat-template {path}: cannot render a simple conversation ({detail})") from None
+    if not isinstance(text, str) or "Tell me about owls." not in text:
+        raise ModelUnavailable(f"--chat-template {path}: a simple conversation renders without its last message")

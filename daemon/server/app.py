@@ -7,20 +7,31 @@ from aiohttp import web
 from daemon.server import forward, openai, status
 from daemon.server.backend import NodeBackend
 from daemon.server.errors import error_middleware
-from daemon.server.guard import auth_middleware, body_limit_middleware, context_middleware, drain_middleware
+from daemon.server.guard import (
+    auth_middleware,
+    body_limit_middleware,
+    context_middleware,
+    cors_middleware,
+    cors_response_headers,
+    drain_middleware,
+)
 from daemon.server.keys import NODE
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
-def create_app(node: NodeBackend, *, token: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> web.Application:
+def create_app(node: NodeBackend, *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               allowed_origins: list[str] = ()) -> web.Application:
     """Build a node's application: its routes, the middlewares every request passes, and the node's
-    background work for as long as the app serves. With ``token``, every path but /health needs it."""
-    middlewares = [context_middleware, error_middleware, auth_middleware(token),
+    background work for as long as the app serves. With ``token`` (the API key), every path but /health
+    needs it; ``allowed_origins`` (or ``*``) may call it from a browser (CORS; none by default)."""
+    cors = [cors_middleware(list(allowed_origins))] if allowed_origins else []
+    middlewares = [context_middleware, *cors, error_middleware, auth_middleware(token),
                    body_limit_middleware(max_body_bytes), drain_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[NODE] = node
+    if allowed_origins:
+        app.on_response_prepare.append(cors_response_headers(list(allowed_origins)))
 
     async def serving(app: web.Application):
         async with app[NODE].serving():

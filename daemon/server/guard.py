@@ -1,14 +1,16 @@
-"""What every request passes through before its handler: its request id, metrics, the token, draining.
+"""What every request passes through before its handler: its request id, metrics, CORS, the token, draining.
 
 Order (outermost first, see ``create_app``): :func:`context_middleware` names the
-request and counts it; then errors are mapped (``daemon.server.errors``); then
-:func:`auth_middleware` and :func:`drain_middleware` may refuse it.
+request and counts it; :func:`cors_middleware` answers a browser's preflight (which
+carries no token, so before the check); then errors are mapped (``daemon.server.errors``);
+then :func:`auth_middleware` and :func:`drain_middleware` may refuse it.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import re
 
 from aiohttp import web
 
@@ -91,3 +93,74 @@ async def drain_middleware(request: web.Request, handler):
     if request.app[NODE].draining and request.path not in READ_ONLY:
         raise Draining("this node is shutting down; send the request to another node or retry shortly")
     return await handler(request)
+
+
+# ---- CORS: which browser pages may call this node ----------------------------------------------
+
+CORS_METHODS = "GET, POST, DELETE, OPTIONS"
+CORS_HEADERS = f"Authorization, Content-Type, {REQUEST_ID_HEADER}"  # Authorization must be named: * omits it
+CORS_EXPOSED = f"{REQUEST_ID_HEADER}, Retry-After"
+CORS_MAX_AGE = "600"  # seconds a browser may reuse a preflight's answer
+
+
+def _allowed_origin(origins: frozenset[str], request: web.Request) -> str | None:
+    """What ``Access-Control-Allow-Origin`` says to this request: its origin, ``*``, or None (no CORS)."""
+    origin = request.headers.get("Origin")
+    if not origin:
+        return None
+    if "*" in origins:
+        return "*"
+    return origin if origin.rstrip("/").lower() in origins else None  # scheme and host ignore case
+
+
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
+
+
+def _allowed_headers(request: web.Request) -> str:
+    """Ours, and whatever else the page asked to send (SDKs add their own, e.g. OpenAI's ``X-Stainless-*``):
+    an allowed origin may send any header; the key is what guards the node."""
+    asked = request.headers.get("Access-Control-Request-Headers", "")
+    extra = [name.strip() for name in asked.split(",")[:64] if _HEADER_NAME.fullmatch(name.strip())]
+    known = {name.strip().lower() for name in CORS_HEADERS.split(",")}
+    return ", ".join([CORS_HEADERS, *dict.fromkeys(n for n in extra if n.lower() not in known)])
+
+
+def cors_middleware(origins: list[str]):
+    """Answer a CORS preflight (``OPTIONS`` with ``Access-Control-Request-Method``) from an allowed origin.
+
+    A preflight carries no Authorization header by design, so it is answered before the key is checked;
+    the request it clears still needs the key. Other origins' preflights go on to the usual refusal.
+    """
+    allowed = frozenset(o.rstrip("/").lower() for o in origins)
+
+    @web.middleware
+    async def preflight(request: web.Request, handler):
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            origin = _allowed_origin(allowed, request)
+            if origin is not None:
+                return web.Response(status=204, headers={
+                    "Access-Control-Allow-Origin": origin, "Access-Control-Allow-Methods": CORS_METHODS,
+                    "Access-Control-Allow-Headers": _allowed_headers(request), "Access-Control-Max-Age": CORS_MAX_AGE,
+                    "Vary": "Origin",
+                })
+        return await handler(request)
+
+    return preflight
+
+
+def cors_response_headers(origins: list[str]):
+    """An ``on_response_prepare`` callback: every answer to an allowed origin carries its CORS headers.
+
+    As a signal, not a middleware, so streamed answers (prepared inside their handler) and errors get them too.
+    """
+    allowed = frozenset(o.rstrip("/").lower() for o in origins)
+
+    async def add_headers(request: web.Request, response: web.StreamResponse) -> None:
+        origin = _allowed_origin(allowed, request)
+        if origin is not None and "Access-Control-Allow-Origin" not in response.headers:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = CORS_EXPOSED
+            if origin != "*":
+                response.headers.add("Vary", "Origin")
+
+    return add_headers

@@ -193,5 +193,6 @@ async def models(request: web.Request) -> web.Response:
     head = request.app[NODE].head
     return web.json_response({
         "object": "list",
-        "data": [{"id": head.model_name, "object": "model", "created": 0, "owned_by": "meshnet"}],
+        "data": [{"id": head.model_name, "object": "model", "created": 0, "owned_by": "meshnet",
+                  "max_model_len": head.context_length}],  # as vLLM reports it: prompt and answer together
     })
