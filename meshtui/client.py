@@ -26,7 +26,7 @@ def _aiohttp():
     return aiohttp
 
 
-UNAUTHORIZED = "401: wrong or missing token — set MESHNET_TOKEN"
+UNAUTHORIZED = "401: wrong or missing API key — set MESHNET_API_KEY"
 CA_FILE_VARIABLE = "MESHNET_SSL_CA_FILE"  # meshd's variable for the CAs https:// nodes must chain to
 
 
