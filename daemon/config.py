@@ -85,6 +85,11 @@ def _addresses(values: list[str]) -> str | None:
     return f"must be addresses like http://127.0.0.1:7071 ({problems[0]!r} is not)" if problems else None
 
 
+def _model_names(values: list[str]) -> str | None:
+    bad = [value for value in values if not value or len(value) > 256 or any(c.isspace() for c in value)]
+    return f"must be names of 1 to 256 characters without spaces ({bad[0]!r} is not)" if bad else None
+
+
 def setting(default, *, flag: str | None, help: str, metavar: str | None = None, choices: tuple[str, ...] = (),
             check: Check | None = None, secret: bool = False):
     """Declare a :class:`NodeConfig` field with how the command line, environment and TOML file set it.
@@ -190,6 +195,12 @@ class NodeConfig:
     log_format: str = setting(
         "auto", flag="--log-format", choices=("auto", "text", "json"),
         help="log lines as text or JSON objects (default auto: text on a terminal, JSON otherwise)")
+
+    # ---- the OpenAI API's names for the model ----
+    served_model_name: list[str] = setting(  # empty: the model folder's name
+        [], flag="--served-model-name", metavar="NAME", check=_model_names,
+        help="a name the OpenAI API answers to (repeatable; the first is the one answers report; default: the "
+        "model folder's name, e.g. SmolLM2-135M-Instruct)")
 
     @property
     def url(self) -> str:

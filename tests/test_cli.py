@@ -106,6 +106,8 @@ OPTION_CASES = [
     (["--step-tokens", "64"], "step_tokens", 64),
     (["--shutdown-grace", "0"], "shutdown_grace_seconds", 0.0),
     (["--log-format", "json"], "log_format", "json"),
+    (["--served-model-name", "smol", "--served-model-name", "gpt-4o-mini"], "served_model_name",
+     ["smol", "gpt-4o-mini"]),
 ]
 
 

@@ -228,6 +228,7 @@ VALID = {
     "max_body_bytes": 2048, "max_tokens_cap": 100, "max_generations": 4, "max_batch": 1, "step_tokens": 16,
     "shutdown_grace_seconds": 0.0,
     "log_format": "json",
+    "served_model_name": ["smol", "gpt-4o-mini"],
 }
 
 # values every field must refuse, each from the source it can come from: "env" (text), "cli" or "toml" (typed)
@@ -261,6 +262,7 @@ INVALID = {
     "step_tokens": [("env", "8"), ("cli", 15), ("toml", "many")],
     "shutdown_grace_seconds": [("env", "-1"), ("env", "3601"), ("env", "nan"), ("toml", 4000)],
     "log_format": [("env", "xml"), ("cli", "yaml"), ("toml", "")],
+    "served_model_name": [("cli", [""]), ("toml", ["has space"]), ("toml", ["x" * 257])],
 }
 
 # a value of the wrong type for each kind of field: the TOML file must refuse it
@@ -296,6 +298,7 @@ def test_environment_variable_names_are_unchanged():
         "MESHNET_MAX_BODY_BYTES", "MESHNET_MAX_TOKENS_CAP", "MESHNET_MAX_BATCH", "MESHNET_STEP_TOKENS",
         "MESHNET_MAX_GENERATIONS",
         "MESHNET_SHUTDOWN_GRACE_SECONDS", "MESHNET_LOG_FORMAT",
+        "MESHNET_SERVED_MODEL_NAME",
     ]
 
 
@@ -467,3 +470,11 @@ def test_toml_value_of_wrong_type_names_the_file(tmp_path, line):
     path = write_toml(tmp_path, line + "\n")
     with pytest.raises(ConfigError, match="meshd.toml"):
         load_config({}, {}, path)
+
+
+def test_served_model_names_repeat_or_come_comma_separated(tmp_path):
+    no_file = tmp_path / "absent.toml"
+    assert load_config({"served_model_name": ["a", "b"]}, {}, no_file).served_model_name == ["a", "b"]
+    env = {"MESHNET_SERVED_MODEL_NAME": "smol,gpt-4o-mini"}
+    assert load_config({}, env, no_file).served_model_name == ["smol", "gpt-4o-mini"]
+    assert load_config({}, {}, no_file).served_model_name == []  # the model folder's name, decided by the node
