@@ -374,3 +374,19 @@ def test_langchain_completion_model(head, reference):
 def test_the_mesh_logs_no_errors(mesh):
     for d in mesh:
         assert "Traceback" not in d.log(), d.log()[-3000:]
+
+
+def test_a_head_that_is_its_own_tail_applies_penalties_and_logprobs(mesh, reference):
+    """The tail node heads too: its own layers sample, so the history and logprobs never cross HTTP there."""
+    _, tail = mesh
+    ids = reference.prompt_ids(PROMPT)
+    expected = reference.generate(ids, 10, repetition_penalty=1.5)
+    status, body = http_json("POST", tail.url + "/v1/completions", {
+        "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "repetition_penalty": 1.5,
+        "logprobs": 2})
+    assert status == 200, body
+    assert body["meshnet"]["token_ids"] == expected
+    assert [h["local"] for h in body["meshnet"]["route"]] == [False, True]
+    rows = reference.logprobs(ids, expected)
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        [float(r[i]) for r, i in zip(rows, expected)], abs=TOLERANCE)
