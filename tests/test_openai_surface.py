@@ -390,3 +390,40 @@ def test_a_head_that_is_its_own_tail_applies_penalties_and_logprobs(mesh, refere
     rows = reference.logprobs(ids, expected)
     assert body["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
         [float(r[i]) for r, i in zip(rows, expected)], abs=TOLERANCE)
+
+
+def batched_steps(node) -> float:
+    """Steps this node ran in forwards of more than one session (from its ``meshnet_batch_size`` histogram)."""
+    total = single = 0.0
+    for line in node.metrics().splitlines():
+        if line.startswith("meshnet_batch_size_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith('meshnet_batch_size_bucket{le="1.0"}'):
+            single = float(line.split()[-1])
+    return total - single
+
+
+def test_concurrent_penalized_answers_batched_on_the_tail_stay_exact(client, mesh, reference):
+    """Decode steps of several sessions run as one forward on the tail: each keeps its own history and logprobs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    batched_before = batched_steps(mesh[1])
+
+    ids = reference.chat_ids(MESSAGES)
+    asks = [{"repetition_penalty": 0.8}, {"presence_penalty": -0.3, "frequency_penalty": -0.6}, {}]
+    expected = [reference.generate(ids, 12, repetition_penalty=0.8),
+                reference.openai_penalized(ids, 12, presence=-0.3, frequency=-0.6),
+                reference.generate(ids, 12)]
+
+    def ask(extra):
+        return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0,
+                                              logprobs=True, extra_body={"ignore_eos": True} | extra)
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(ask, asks))
+    assert batched_steps(mesh[1]) > batched_before  # some steps did run together
+    for resp, tokens in zip(answers, expected):
+        assert meshnet(resp)["token_ids"] == tokens
+        rows = reference.logprobs(ids, tokens)
+        assert [e.logprob for e in resp.choices[0].logprobs.content] == pytest.approx(
+            [float(r[i]) for r, i in zip(rows, tokens)], abs=TOLERANCE)
