@@ -1,8 +1,9 @@
 """The OpenAI-compatible chat API of a real two-node mesh, driven by the official ``openai`` SDK.
 
 A tiny random 4-layer llama with the built-in model's tokenizer is split over a head (layers
-0-1) and a tail (2-3). Greedy answers are checked against ``model.generate`` of the same model
-loaded whole in this process; the SDK validates every response strictly against its types.
+0-1) and a tail (2-3), shared with ``test_openai_surface`` (``tests.conftest.openai_mesh``). Greedy
+answers are checked against ``model.generate`` of the same model loaded whole in this process; the SDK
+validates every response strictly against its types.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import openai
 import pytest
 import torch
 
-from tests.meshtest import start_mesh
-
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
@@ -27,13 +26,9 @@ def model_dir(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def mesh(model_dir, tmp_path_factory):
-    # the head answers to "tiny" (the name its answers report) and an alias; the tail, to its folder's name
-    names = ["--served-model-name", "tiny", "--served-model-name", "tiny-alias"]
-    daemons = start_mesh(model_dir, [("0-1", names), ("2-3", [])], log_dir=tmp_path_factory.mktemp("openai-logs"))
-    yield daemons
-    for d in daemons:
-        d.stop()
+def mesh(openai_mesh):
+    """The head answers to "tiny" and "tiny-alias"; the tail, to its folder's name (see ``openai_mesh``)."""
+    return openai_mesh
 
 
 @pytest.fixture(scope="module")

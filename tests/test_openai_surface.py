@@ -3,11 +3,12 @@ LangChain (``langchain_openai``). Legacy completions of a raw prompt, logprobs (
 penalties and min-p, and the parameters meshd refuses with a 400 that names them.
 
 A tiny random 4-layer llama with the built-in model's tokenizer is split over a head (layers 0-1) and a
-tail (2-3). Every greedy answer is checked token for token against transformers' ``generate`` (or, for
-OpenAI's penalties, a direct computation) on the same model loaded whole in this process, and every
-logprob against its own log-softmax. The tail is meshd with one twist (``tests.meshd_variants``
-``forgetful``): it loses the session of a request whose id starts ``forget-`` every 4th decode step, so
-those requests re-prefill mid-answer and must still come out exact.
+tail (2-3): the mesh ``test_openai_api`` uses too (``tests.conftest.openai_mesh``). Every greedy answer
+is checked token for token against transformers' ``generate`` (or, for OpenAI's penalties, a direct
+computation) on the same model loaded whole in this process, and every logprob against its own
+log-softmax. The tail is meshd with one twist (``tests.meshd_variants`` ``forgetful``): it loses the
+session of a request whose id starts ``forget-`` every 4th decode step, so those requests re-prefill
+mid-answer and must still come out exact.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import openai
 import pytest
 import torch
 
-from daemon.api.launch import free_port, node_url
-from tests.meshtest import Daemon, http_json
+from tests.meshtest import http_json
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 PROMPT = "The capital of France is"
@@ -31,20 +31,9 @@ def model_dir(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def mesh(model_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("surface-logs")
-    head_port, tail_port = free_port(), free_port()
-    head = Daemon(model_dir, "0-1", port=head_port, peer_urls=[node_url("127.0.0.1", tail_port)], log_dir=logs,
-                  extra=["--served-model-name", "tiny"])
-    tail = Daemon(model_dir, "2-3", port=tail_port, peer_urls=[head.url], log_dir=logs, variant="forgetful")
-    try:
-        for d in (head, tail):
-            d.wait_ready()
-        head.wait_peers(1)
-        yield head, tail
-    finally:
-        for d in (head, tail):
-            d.stop()
+def mesh(openai_mesh):
+    """Shared with ``test_openai_api`` (see ``tests.conftest.openai_mesh``): one start for both."""
+    return openai_mesh
 
 
 @pytest.fixture(scope="module")
