@@ -236,7 +236,8 @@ def test_two_node_int8_mesh_matches_the_whole_int8_model(default_model, referenc
 
 @pytest.mark.slow
 def test_a_repetition_penalty_matches_generate_on_the_built_in_model(two_nodes, reference_model):
-    """Greedy with transformers' repetition penalty, chat and raw completion, token for token."""
+    """Greedy with transformers' repetition penalty, chat and raw completion (and the raw completion without it),
+    token for token."""
     import torch
 
     model, tokenizer = reference_model
@@ -257,6 +258,10 @@ def test_a_repetition_penalty_matches_generate_on_the_built_in_model(two_nodes, 
     assert chat(head, messages, max_tokens=48, repetition_penalty=1.3)["meshnet"]["token_ids"] == expected
 
     prompt = "Once upon a time, in a small village by the sea,"
+    status, body = http_json("POST", head.url + "/v1/completions", {"prompt": prompt, "max_tokens": 32,
+                             "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    assert body["meshnet"]["token_ids"] == generate(tokenizer(prompt)["input_ids"], 32)  # no template, no penalty
     expected = generate(tokenizer(prompt)["input_ids"], 32, repetition_penalty=1.3)
     status, body = http_json("POST", head.url + "/v1/completions", {"prompt": prompt, "max_tokens": 32,
                              "temperature": 0, "ignore_eos": True, "repetition_penalty": 1.3})
