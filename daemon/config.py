@@ -100,6 +100,11 @@ def _addresses(values: list[str]) -> str | None:
     return f"must be addresses like http://127.0.0.1:7071 ({problems[0]!r} is not)" if problems else None
 
 
+def _model_names(values: list[str]) -> str | None:
+    bad = [value for value in values if not value or len(value) > 256 or any(c.isspace() for c in value)]
+    return f"must be names of 1 to 256 characters without spaces ({bad[0]!r} is not)" if bad else None
+
+
 def setting(default, *, flag: str | None, help: str, metavar: str | None = None, choices: tuple[str, ...] = (),
             check: Check | None = None, secret: bool = False):
     """Declare a :class:`NodeConfig` field with how the command line, environment and TOML file set it.
@@ -227,6 +232,12 @@ class NodeConfig:
     ssl_ca_file: str | None = setting(  # None: the system's trust store
         None, flag="--ssl-ca-file", metavar="PATH", help="CA certificates (PEM) that https:// peers' certificates "
         "must chain to (default: the system's trust store)")
+
+    # ---- the OpenAI API's names for the model ----
+    served_model_name: list[str] = setting(  # empty: the model folder's name
+        [], flag="--served-model-name", metavar="NAME", check=_model_names,
+        help="a name the OpenAI API answers to (repeatable; the first is the one answers report; default: the "
+        "model folder's name, e.g. SmolLM2-135M-Instruct)")
 
     @property
     def url(self) -> str:

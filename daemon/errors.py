@@ -36,6 +36,15 @@ class NotFound(MeshError):
     type = "invalid_request_error"
 
 
+class ModelNotFound(NotFound):
+    """A request names a model this node does not serve (OpenAI's answer to an unknown model)."""
+
+    code = "model_not_found"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model")
+
+
 class CacheMiss(MeshError):
     """A decode step this node cannot serve from its session cache (answered 409).
 

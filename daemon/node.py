@@ -53,7 +53,8 @@ class Node:
             explore=config.route_explore, failover_wait=config.failover_wait_seconds,
             on_hop=lambda hop, mode, ms: metrics.hop_done(hop.url, mode, ms / 1000.0),
         )
-        self.head = Head(service, self.planner, metrics, model_name=info.name, settings=HeadSettings(
+        names = config.served_model_name or [info.name]
+        self.head = Head(service, self.planner, metrics, model_name=names[0], aliases=names[1:], settings=HeadSettings(
             wire_dtype=config.wire_dtype or service.dtype, hop_timeout_seconds=config.hop_timeout_seconds,
             max_generations=config.max_generations, max_tokens_default=config.max_tokens_default,
             max_tokens_cap=config.max_tokens_cap, prefix_reuse=config.prefix_reuse,

@@ -15,7 +15,9 @@ Request headers (absent means the old behaviour):
 ``X-Meshnet-Hop-Index``     position of this node on the route, for logs
 ``X-Meshnet-Dtype``         ``float32`` (exact, default), ``float16`` or ``bfloat16``
 ``X-Meshnet-Shape``         ``1,T,hidden``
-``X-Meshnet-Sampling``      tail only: JSON ``{"temperature", "top_p", "top_k", "seed"}``
+``X-Meshnet-Sampling``      tail only: JSON ``{"temperature", "top_p", "top_k", "seed"}``, and when set
+                            ``"min_p"``, the penalties and ``"logprobs"`` (see below)
+``X-Meshnet-History``       tail only, with a penalty: ``P,G``, the body ends with P + G ids (below)
 ``X-Meshnet-Prefix``        decode only: start this session from another session's cache
 ``X-Meshnet-Prefix-Mode``   ``fork`` (default: copy it, the other stays) or ``take`` (move it)
 ==========================  ==========================================================
@@ -34,6 +36,14 @@ any miss.
 
 A node that does not host the last layer answers with activation bytes and the
 same dtype/shape headers; the tail answers JSON ``{"token_id": int, "text": str}``.
+With ``"logprobs": N`` in its sampling it adds ``"logprob"`` (the chosen token's, from
+the raw log-softmax of the logits) and ``"top_logprobs"``: ``[[id, logprob], ...]``, the
+N best, best first. A tail asked for a penalty needs the tokens so far: the head
+appends them to the activation bytes as little-endian int32, ``P`` prompt ids (only
+with a repetition penalty; as a set, unordered) then the ``G`` ids generated so far,
+and says ``X-Meshnet-History: P,G``. They travel with every step, so a re-prefill or a
+new tail after a failover sees exactly what the first one saw. Neither is sent when
+not asked for: an older tail reads the same requests as before.
 Every answer carries ``X-Meshnet-Compute-Ms``, the node's own time on the step,
 so the head can tell network overhead from compute when it plans routes.
 """
@@ -42,6 +52,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from dataclasses import dataclass, field
 
 from daemon.errors import BadRequest
@@ -57,12 +68,14 @@ SAMPLING = "X-Meshnet-Sampling"
 COMPUTE_MS = "X-Meshnet-Compute-Ms"
 PREFIX = "X-Meshnet-Prefix"
 PREFIX_MODE = "X-Meshnet-Prefix-Mode"
+HISTORY = "X-Meshnet-History"
 
 ACTIVATION_CONTENT_TYPE = "application/octet-stream"
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CACHE_MODES = ("prefill", "decode")
 PREFIX_MODES = ("fork", "take")
 MAX_SEQUENCE = 1 << 20
+MAX_TOP_LOGPROBS = 20  # alternatives a tail reports per token, as OpenAI allows
 _SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -79,6 +92,22 @@ class Activation:
 
 
 @dataclass(frozen=True)
+class History:
+    """The tokens a penalty looks at: the prompt's (a set; only a repetition penalty needs them) and the answer's
+    so far, in order."""
+
+    prompt: tuple[int, ...] = ()
+    generated: tuple[int, ...] = ()
+
+    def header(self) -> str:
+        return f"{len(self.prompt)},{len(self.generated)}"
+
+    def to_bytes(self) -> bytes:
+        ids = self.prompt + self.generated
+        return struct.pack(f"<{len(ids)}i", *ids)
+
+
+@dataclass(frozen=True)
 class ForwardRequest:
     """A parsed and validated ``POST /forward``."""
 
@@ -91,6 +120,7 @@ class ForwardRequest:
     sampling: dict = field(default_factory=dict)
     prefix: str | None = None  # decode only: the session to start from, cut back to past_len positions
     take_prefix: bool = False  # move that session's cache (crop it in place) rather than copy it
+    history: History | None = None  # the tail's, with a penalty
 
 
 @dataclass(frozen=True)
@@ -101,6 +131,15 @@ class ForwardReply:
     token_id: int | None = None
     text: str | None = None
     compute_ms: float = 0.0  # the node's own time on the step
+    logprob: float | None = None  # asked for with "logprobs" in the sampling
+    top_logprobs: list[tuple[int, float]] | None = None
+
+    def token_json(self) -> dict:
+        """The tail's JSON answer; the log-probabilities only when they were asked for."""
+        body = {"token_id": self.token_id, "text": self.text}
+        if self.logprob is not None:
+            body |= {"logprob": self.logprob, "top_logprobs": [list(pair) for pair in self.top_logprobs or []]}
+        return body
 
 
 def _int_header(headers, name: str, *, minimum: int = 0, maximum: int = MAX_SEQUENCE) -> int | None:
@@ -157,7 +196,9 @@ def parse_sampling(raw: str | None) -> dict:
         raise BadRequest(f"{SAMPLING} must be a JSON object", param=SAMPLING) from None
     if not isinstance(value, dict):
         raise BadRequest(f"{SAMPLING} must be a JSON object", param=SAMPLING)
-    allowed = {"temperature": (int, float), "top_p": (int, float), "top_k": (int,), "seed": (int,)}
+    allowed = {"temperature": (int, float), "top_p": (int, float), "top_k": (int,), "seed": (int,),
+               "min_p": (int, float), "repetition_penalty": (int, float), "presence_penalty": (int, float),
+               "frequency_penalty": (int, float), "logprobs": (int,)}
     for key, val in value.items():
         if key not in allowed:
             raise BadRequest(f"{SAMPLING}: unknown field {key!r}", param=SAMPLING)
@@ -172,7 +213,35 @@ def parse_sampling(raw: str | None) -> dict:
         raise BadRequest(f"{SAMPLING}: top_k must be at least 0", param=SAMPLING)
     if "seed" in value and not -(2**63) <= value["seed"] < 2**63:
         raise BadRequest(f"{SAMPLING}: seed must fit in 64 bits", param=SAMPLING)
+    if "min_p" in value and not 0.0 <= value["min_p"] <= 1.0:
+        raise BadRequest(f"{SAMPLING}: min_p must be between 0 and 1", param=SAMPLING)
+    if "repetition_penalty" in value and not 0.0 < value["repetition_penalty"] <= 100.0:
+        raise BadRequest(f"{SAMPLING}: repetition_penalty must be in (0, 100]", param=SAMPLING)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if name in value and not -2.0 <= value[name] <= 2.0:
+            raise BadRequest(f"{SAMPLING}: {name} must be between -2 and 2", param=SAMPLING)
+    if "logprobs" in value and not 0 <= value["logprobs"] <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"{SAMPLING}: logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param=SAMPLING)
     return value
+
+
+def split_history(headers, body: bytes) -> tuple[bytes, History | None]:
+    """The activation bytes of a body and the token history after them (``X-Meshnet-History``)."""
+    raw = headers.get(HISTORY)
+    if raw is None:
+        return body, None
+    parts = raw.split(",")
+    if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() and len(p.strip()) <= 9 for p in parts):
+        raise BadRequest(f"{HISTORY} must be two counts P,G, got {raw[:60]!r}", param=HISTORY)
+    prompt, generated = (int(p) for p in parts)
+    count = prompt + generated
+    if count > MAX_SEQUENCE or 4 * count > len(body):
+        raise BadRequest(f"{HISTORY} names {count} ids; the body cannot hold them", param=HISTORY)
+    split = len(body) - 4 * count
+    ids = struct.unpack(f"<{count}i", body[split:])
+    if any(i < 0 for i in ids):
+        raise BadRequest(f"{HISTORY}: token ids cannot be negative", param=HISTORY)
+    return body[:split], History(ids[:prompt], ids[prompt:])
 
 
 def parse_forward(
@@ -201,6 +270,7 @@ def parse_forward(
             param=START_LAYER,
         )
     prefix, take_prefix = _parse_prefix(headers, mode=mode, session_id=session_id)
+    body, history = split_history(headers, body)
     activation = parse_activation(headers, body, hidden_size=hidden_size)
     return ForwardRequest(
         activation=activation,
@@ -212,6 +282,7 @@ def parse_forward(
         sampling=parse_sampling(headers.get(SAMPLING)),
         prefix=prefix,
         take_prefix=take_prefix,
+        history=history,
     )
 
 
@@ -246,8 +317,10 @@ def forward_headers(
     sampling: dict | None = None,
     prefix: str | None = None,
     take_prefix: bool = False,
+    history: History | None = None,
 ) -> dict[str, str]:
-    """Headers for one hop of a step, the client side of :func:`parse_forward`."""
+    """Headers for one hop of a step, the client side of :func:`parse_forward` (``history``: its bytes go after
+    the activation's, see :meth:`History.to_bytes`)."""
     headers = activation.headers() | {START_LAYER: str(start_layer), HOP_INDEX: str(hop_index)}
     headers["Content-Type"] = ACTIVATION_CONTENT_TYPE
     if session_id is not None:
@@ -261,4 +334,6 @@ def forward_headers(
     if prefix is not None:
         headers[PREFIX] = prefix
         headers[PREFIX_MODE] = "take" if take_prefix else "fork"
+    if history is not None:
+        headers[HISTORY] = history.header()
     return headers

@@ -96,3 +96,31 @@ def tiny_model(default_model, tmp_path_factory):
         return built[arch]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def openai_mesh(tiny_model, tmp_path_factory):
+    """``(head, tail)``: the two-node mesh the OpenAI client tests share (one start for both modules).
+
+    A tiny random 4-layer llama with the built-in model's tokenizer: the head runs layers 0-1 and answers to
+    ``tiny`` (the name its answers report) and ``tiny-alias``; the tail runs 2-3, answers to its folder's name,
+    and is meshd's ``forgetful`` variant (``tests.meshd_variants``): it loses the session of a request whose
+    ``X-Request-Id`` starts ``forget-`` every 4th decode step, so those requests re-prefill mid-answer.
+    """
+    from daemon.api.launch import free_port, node_url
+    from tests.meshtest import Daemon
+
+    model = tiny_model("llama")
+    logs = tmp_path_factory.mktemp("openai-logs")
+    head_port, tail_port = free_port(), free_port()
+    head = Daemon(model, "0-1", port=head_port, peer_urls=[node_url("127.0.0.1", tail_port)], log_dir=logs,
+                  extra=["--served-model-name", "tiny", "--served-model-name", "tiny-alias"])
+    tail = Daemon(model, "2-3", port=tail_port, peer_urls=[head.url], log_dir=logs, variant="forgetful")
+    try:
+        for d in (head, tail):
+            d.wait_ready()
+        head.wait_peers(1)
+        yield head, tail
+    finally:
+        for d in (head, tail):
+            d.stop()

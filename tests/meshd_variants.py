@@ -3,6 +3,8 @@
     python -m tests.meshd_variants legacy-tail <meshd options>   # a tail from before ADR-0022: text, no token id
     python -m tests.meshd_variants slow-300 <meshd options>      # every /forward step answers 300 ms later
     python -m tests.meshd_variants no-prefix <meshd options>     # a node from before prefix reuse
+    python -m tests.meshd_variants forgetful <meshd options>     # loses a session every 4th decode step of
+                                                                 # a request whose X-Request-Id starts "forget-"
 
 The node is meshd's own (``daemon.cli.load_node``, ``node_app``, ``run``); only a middleware is added.
 """
@@ -43,6 +45,26 @@ async def no_prefix(request: web.Request, handler):
     return await handler(request)
 
 
+_decode_steps: dict[str, int] = {}
+
+
+@web.middleware
+async def forgetful(request: web.Request, handler):
+    """Drop the session before every 4th decode step of a "forget-" request: the step answers 409, as after an
+    eviction, and the head must re-prefill (only those requests: the others on the same mesh run undisturbed)."""
+    from daemon import wire
+    from daemon.logs import REQUEST_ID_HEADER
+    from daemon.server.keys import NODE
+
+    session = request.headers.get(wire.SESSION)
+    if (request.path == "/forward" and request.headers.get(wire.CACHE) == "decode" and session
+            and request.headers.get(REQUEST_ID_HEADER, "").startswith("forget-")):
+        _decode_steps[session] = _decode_steps.get(session, 0) + 1
+        if _decode_steps[session] % 4 == 0:
+            request.app[NODE].service.drop_session(session)
+    return await handler(request)
+
+
 def slow(milliseconds: int):
     """Answer every step this much later: a slow replica."""
 
@@ -60,9 +82,11 @@ def middleware_for(variant: str):
         return legacy_tail
     if variant == "no-prefix":
         return no_prefix
+    if variant == "forgetful":
+        return forgetful
     if variant.startswith("slow-") and variant[5:].isdigit():
         return slow(int(variant[5:]))
-    raise SystemExit(f"unknown variant {variant!r}: legacy-tail, no-prefix or slow-MS")
+    raise SystemExit(f"unknown variant {variant!r}: legacy-tail, no-prefix, forgetful or slow-MS")
 
 
 def main(argv: list[str]) -> int:

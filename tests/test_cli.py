@@ -120,6 +120,8 @@ OPTION_CASES = [
     (["--ssl-certfile", "/c.pem"], "ssl_certfile", "/c.pem"),
     (["--ssl-keyfile", "/k.pem"], "ssl_keyfile", "/k.pem"),
     (["--ssl-ca-file", "/ca.pem"], "ssl_ca_file", "/ca.pem"),
+    (["--served-model-name", "smol", "--served-model-name", "gpt-4o-mini"], "served_model_name",
+     ["smol", "gpt-4o-mini"]),
 ]
 
 

@@ -236,6 +236,7 @@ VALID = {
     "api_key": "k" * 16, "api_key_file": str(KEY_FILE), "allowed_origins": ["https://app.example.com", "*"],
     "max_model_len": 64, "chat_template": "/templates/chat.jinja", "ssl_certfile": "/tls/node.pem",
     "ssl_keyfile": "/tls/node.key", "ssl_ca_file": "/tls/ca.pem",
+    "served_model_name": ["smol", "gpt-4o-mini"],
 }
 
 # values every field must refuse, each from the source it can come from: "env" (text), "cli" or "toml" (typed)
@@ -277,6 +278,7 @@ INVALID = {
     "ssl_certfile": [("cli", ""), ("toml", " ")],
     "ssl_keyfile": [("cli", ""), ("toml", " ")],
     "ssl_ca_file": [("cli", ""), ("toml", " ")],
+    "served_model_name": [("cli", ["has space"]), ("toml", [""]), ("toml", ["x" * 257])],
 }
 
 # a value of the wrong type for each kind of field: the TOML file must refuse it
@@ -314,6 +316,7 @@ def test_environment_variable_names_are_unchanged():
         "MESHNET_SHUTDOWN_GRACE_SECONDS", "MESHNET_LOG_FORMAT",
         "MESHNET_API_KEY", "MESHNET_API_KEY_FILE", "MESHNET_ALLOWED_ORIGINS", "MESHNET_MAX_MODEL_LEN",
         "MESHNET_CHAT_TEMPLATE", "MESHNET_SSL_CERTFILE", "MESHNET_SSL_KEYFILE", "MESHNET_SSL_CA_FILE",
+        "MESHNET_SERVED_MODEL_NAME",
     ]
 
 
@@ -527,3 +530,9 @@ def test_allowed_origins_split_on_commas_from_every_source(tmp_path, no_file):
 def test_a_tls_node_advertises_https(no_file):
     cfg = load_config({"ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem", "port": 8443}, {}, no_file)
     assert cfg.url == "https://127.0.0.1:8443"
+def test_served_model_names_repeat_or_come_comma_separated(tmp_path):
+    no_file = tmp_path / "absent.toml"
+    assert load_config({"served_model_name": ["a", "b"]}, {}, no_file).served_model_name == ["a", "b"]
+    env = {"MESHNET_SERVED_MODEL_NAME": "smol,gpt-4o-mini"}
+    assert load_config({}, env, no_file).served_model_name == ["smol", "gpt-4o-mini"]
+    assert load_config({}, {}, no_file).served_model_name == []  # the model folder's name, decided by the node

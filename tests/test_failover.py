@@ -275,3 +275,32 @@ def test_a_port_with_nothing_behind_it_is_a_down_peer_not_a_hang(default_model, 
         assert len(peers) == 1 and peers[0]["up"] is False and peers[0]["error"]
     finally:
         head.stop()
+
+
+def test_a_failover_keeps_penalties_and_logprobs_exact(replicas, reference_model, reference_tokens):
+    """The new tail gets the tokens so far with the re-prefill: the penalized answer and its logprobs are
+    generate's and the model's own, however the route changed."""
+    import torch
+
+    model, tokenizer = reference_model
+    head, r1, r2 = replicas
+    stream = Stream(head, request() | {"repetition_penalty": 1.3, "logprobs": True, "top_logprobs": 2})
+    stream.read_tokens(6)
+    (r1 if holds_session(r1, stream.session_id) else r2).kill()
+    stats = stream.finish()
+    assert "error" not in stats, stats
+    assert stats["failovers"] == 1
+
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, eos_token_id=None,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long), repetition_penalty=1.3)
+        expected = out[0, len(ids):].tolist()
+        rows = torch.log_softmax(model(torch.tensor([ids + expected])).logits[0, len(ids) - 1:-1].float(), dim=-1)
+    assert stats["token_ids"] == expected
+    plain = reference_tokens(PROMPT, TOKENS, ignore_eos=True)
+    assert expected[6:] != plain[6:]  # the penalty matters after the failover too
+    content = [e for c in stream.chunks if c.get("choices") and c["choices"][0].get("logprobs")
+               for e in c["choices"][0]["logprobs"]["content"]]
+    assert [e["logprob"] for e in content] == pytest.approx([float(r[i]) for r, i in zip(rows, expected)], abs=1e-3)

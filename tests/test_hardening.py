@@ -105,11 +105,12 @@ def test_the_openai_sdk_uses_the_token_as_its_api_key(token_mesh):
 
     head, _ = token_mesh
     good = openai.OpenAI(base_url=head.url + "/v1", api_key=TOKEN)
-    answer = good.chat.completions.create(model="any", messages=PROMPT, max_tokens=4)
+    model = good.models.list().data[0].id  # a model the head does not serve would be a 404
+    answer = good.chat.completions.create(model=model, messages=PROMPT, max_tokens=4)
     assert answer.choices[0].message.content
     bad = openai.OpenAI(base_url=head.url + "/v1", api_key="not-the-token-at-all", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        bad.chat.completions.create(model="any", messages=PROMPT, max_tokens=4)
+        bad.chat.completions.create(model=model, messages=PROMPT, max_tokens=4)
 
 
 @pytest.mark.slow

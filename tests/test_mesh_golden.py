@@ -232,3 +232,63 @@ def test_two_node_int8_mesh_matches_the_whole_int8_model(default_model, referenc
     finally:
         for d in mesh:
             d.stop()
+
+
+@pytest.mark.slow
+def test_a_repetition_penalty_matches_generate_on_the_built_in_model(two_nodes, reference_model):
+    """Greedy with transformers' repetition penalty, chat and raw completion (and the raw completion without it),
+    token for token."""
+    import torch
+
+    model, tokenizer = reference_model
+    head, _ = two_nodes
+
+    def generate(ids: list[int], n: int, **kwargs) -> list[int]:
+        ids = torch.tensor([ids])
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                 attention_mask=torch.ones_like(ids), **kwargs)
+        return out[0, ids.shape[1]:].tolist()
+
+    messages = PROMPTS[2]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    chat_ids = list(chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids)
+    expected = generate(chat_ids, 48, repetition_penalty=1.3)
+    assert expected != generate(chat_ids, 48)  # the penalty matters on this prompt
+    assert chat(head, messages, max_tokens=48, repetition_penalty=1.3)["meshnet"]["token_ids"] == expected
+
+    prompt = "Once upon a time, in a small village by the sea,"
+    status, body = http_json("POST", head.url + "/v1/completions", {"prompt": prompt, "max_tokens": 32,
+                             "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    assert body["meshnet"]["token_ids"] == generate(tokenizer(prompt)["input_ids"], 32)  # no template, no penalty
+    expected = generate(tokenizer(prompt)["input_ids"], 32, repetition_penalty=1.3)
+    status, body = http_json("POST", head.url + "/v1/completions", {"prompt": prompt, "max_tokens": 32,
+                             "temperature": 0, "ignore_eos": True, "repetition_penalty": 1.3})
+    assert status == 200, body
+    assert body["meshnet"]["token_ids"] == expected
+    assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_logprobs_are_the_built_in_models_log_softmax(two_nodes, reference_model):
+    import torch
+
+    model, tokenizer = reference_model
+    head, _ = two_nodes
+    messages = PROMPTS[1]
+    body = chat(head, messages, max_tokens=16, logprobs=True, top_logprobs=5)
+    answer = body["meshnet"]["token_ids"]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids + answer])).logits[0].float()
+    rows = torch.log_softmax(logits[len(ids) - 1:-1], dim=-1)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 16
+    for entry, row, token_id in zip(content, rows, answer):
+        assert entry["logprob"] == pytest.approx(float(row[token_id]), abs=1e-3)
+        assert entry["token"] == tokenizer.decode([token_id])
+        best = torch.topk(row, 5)
+        assert [t["token"] for t in entry["top_logprobs"]] == [tokenizer.decode([i]) for i in best.indices.tolist()]
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(best.values.tolist(), abs=1e-3)

@@ -1,8 +1,9 @@
 """The OpenAI-compatible chat API of a real two-node mesh, driven by the official ``openai`` SDK.
 
 A tiny random 4-layer llama with the built-in model's tokenizer is split over a head (layers
-0-1) and a tail (2-3). Greedy answers are checked against ``model.generate`` of the same model
-loaded whole in this process; the SDK validates every response strictly against its types.
+0-1) and a tail (2-3), shared with ``test_openai_surface`` (``tests.conftest.openai_mesh``). Greedy
+answers are checked against ``model.generate`` of the same model loaded whole in this process; the SDK
+validates every response strictly against its types.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import openai
 import pytest
 import torch
 
-from tests.meshtest import start_mesh
-
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
@@ -27,11 +26,9 @@ def model_dir(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def mesh(model_dir, tmp_path_factory):
-    daemons = start_mesh(model_dir, [("0-1", []), ("2-3", [])], log_dir=tmp_path_factory.mktemp("openai-logs"))
-    yield daemons
-    for d in daemons:
-        d.stop()
+def mesh(openai_mesh):
+    """The head answers to "tiny" and "tiny-alias"; the tail, to its folder's name (see ``openai_mesh``)."""
+    return openai_mesh
 
 
 @pytest.fixture(scope="module")
@@ -108,17 +105,40 @@ def test_health(head):
     conn.close()
 
 
-def test_models_list_shows_the_model(client, model_dir):
+def test_models_list_shows_the_model(client, mesh, model_dir):
     models = client.models.list()
-    assert [m.id for m in models.data] == [model_dir.name]
+    assert [m.id for m in models.data] == ["tiny", "tiny-alias"]
     assert models.data[0].object == "model"
+    # without --served-model-name: the model folder's name, never a hash
+    assert [m["id"] for m in mesh[1].get("/v1/models")["data"]] == [model_dir.name]
+
+
+def test_models_retrieve_and_an_unknown_model_is_openais_404(client):
+    assert client.models.retrieve("tiny-alias").id == "tiny-alias"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-5")
+    assert info.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-5", messages=MESSAGES, max_tokens=2)
+    assert info.value.body["code"] == "model_not_found"
+    assert info.value.body["param"] == "model" and info.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-5", prompt="Hello", max_tokens=2)
+
+
+def test_an_alias_or_no_model_at_all_is_served(client, head):
+    resp = client.chat.completions.create(model="tiny-alias", messages=MESSAGES, max_tokens=2, **GREEDY)
+    assert resp.model == "tiny"  # answers report the first name
+    status, reply = raw_post(head.url, "/v1/chat/completions",
+                             json.dumps({"messages": MESSAGES, "max_tokens": 2}).encode())
+    assert status == 200 and reply["model"] == "tiny", reply
 
 
 def test_non_streaming_greedy_matches_generate(client, reference, model_dir):
     resp = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, **GREEDY)
     prompt_ids, expected_ids = reference(MESSAGES, 8)
     assert resp.object == "chat.completion"
-    assert resp.model == model_dir.name
+    assert resp.model == "tiny"
     assert len(resp.choices) == 1
     choice = resp.choices[0]
     assert choice.message.role == "assistant"

@@ -31,7 +31,12 @@ def logits_from_probs(probs: list[float]) -> torch.Tensor:
 def test_params_defaults_are_greedy_and_to_dict():
     params = Sampling()
     assert params.greedy is True
-    assert params.to_dict() == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+    # what a tail is sent when nothing later is asked: exactly the old header, so an older tail reads it
+    assert params.to_wire() == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+    assert params.to_dict() == {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0, "min_p": 0.0,
+                                "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                "logprobs": None}
+    assert Sampling(min_p=0.1, logprobs=0).to_wire() == params.to_wire() | {"min_p": 0.1, "logprobs": 0}
     assert Sampling(temperature=0.7).greedy is False
     assert Sampling(temperature=0.7, top_k=1).greedy is True
     assert Sampling(temperature=-1.0).greedy is True
@@ -243,3 +248,78 @@ def test_non_finite_logits_are_a_bad_request_not_a_crash(bad, params):
     with pytest.raises(BadRequest) as info:
         sample_token(logits, params, position=0)
     assert info.value.status == 400
+
+
+# ---- penalties, min-p, logprobs ---------------------------------------------------------------------
+
+
+def test_presence_and_frequency_penalties_are_openais_formula():
+    from daemon.model.sampling import penalized
+    from daemon.wire import History
+
+    logits = random_logits(11)
+    generated = (3, 3, 3, 7, 9, 9)
+    params = Sampling(presence_penalty=0.5, frequency_penalty=0.25)
+    got = penalized(logits, params, History((), generated))
+    expected = logits.clone()
+    for token in set(generated):  # mu[j] - c[j] * frequency - (c[j] > 0) * presence, over the answer only
+        expected[token] -= generated.count(token) * 0.25 + 0.5
+    assert torch.allclose(got, expected)
+    assert torch.equal(logits, random_logits(11))  # the raw logits stay as they were (they give the logprobs)
+
+
+def test_presence_and_frequency_ignore_the_prompt_and_repetition_uses_it():
+    from daemon.model.sampling import penalized
+    from daemon.wire import History
+
+    logits = random_logits(12)
+    assert torch.equal(penalized(logits, Sampling(presence_penalty=1.0), History((4, 5), ())), logits)
+    got = penalized(logits, Sampling(repetition_penalty=2.0), History((4,), (6,)))
+    expected = logits.clone()
+    for token in (4, 6):  # transformers' rule: a positive logit divided, a negative one multiplied
+        expected[token] = expected[token] / 2.0 if expected[token] > 0 else expected[token] * 2.0
+    assert torch.allclose(got, expected)
+
+
+def test_a_penalty_changes_the_greedy_choice():
+    from daemon.wire import History
+
+    logits = logits_from_probs([0.5, 0.3, 0.2])
+    assert sample_token(logits, Sampling(), 0) == 0
+    assert sample_token(logits, Sampling(frequency_penalty=2.0), 0, History((), (0,))) == 1
+    assert sample_token(logits, Sampling(repetition_penalty=10.0), 0, History((0, 1), ())) == 2
+
+
+def test_a_penalty_without_the_history_is_a_bad_request():
+    from daemon.errors import BadRequest
+    from daemon.wire import History
+
+    with pytest.raises(BadRequest):
+        sample_token(random_logits(1), Sampling(presence_penalty=1.0), 0)
+    with pytest.raises(BadRequest):  # an id past the vocabulary
+        sample_token(random_logits(1), Sampling(presence_penalty=1.0), 0, History((), (VOCAB,)))
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_best():
+    logits = logits_from_probs([0.5, 0.3, 0.15, 0.05])
+    # min_p 0.35: the threshold is 0.175 (0.35 x 0.5): tokens 0 and 1 stay
+    draws = {sample_token(logits, Sampling(temperature=1.0, min_p=0.35, seed=s), 0) for s in range(300)}
+    assert draws == {0, 1}
+    assert {sample_token(logits, Sampling(temperature=1.0, seed=s), 0) for s in range(300)} == {0, 1, 2, 3}
+
+
+def test_logprobs_are_the_raw_log_softmax_best_first():
+    from daemon.model.sampling import choose_token
+    from daemon.wire import History
+
+    logits = random_logits(13)
+    reference = torch.log_softmax(logits, dim=-1)
+    # a penalty and a temperature change the choice, never the reported logprobs
+    choice = choose_token(logits, Sampling(temperature=0.7, seed=4, frequency_penalty=1.0, logprobs=5), 9,
+                          History((), (int(torch.argmax(logits)),)))
+    assert choice.logprob == pytest.approx(float(reference[choice.token_id]), abs=1e-6)
+    best = torch.topk(reference, 5)
+    assert [i for i, _ in choice.top_logprobs] == best.indices.tolist()
+    assert [lp for _, lp in choice.top_logprobs] == pytest.approx(best.values.tolist(), abs=1e-6)
+    assert choose_token(logits, Sampling(logprobs=0), 0).top_logprobs == []
+    assert choose_token(logits, Sampling(), 0).logprob is None

@@ -8,6 +8,7 @@ import struct
 import pytest
 
 from daemon import wire
+from daemon.api import Sampling
 from daemon.errors import BadRequest
 from daemon.wire import (
     Activation,
@@ -287,3 +288,42 @@ def test_sampling_accepts_ints_for_floats():
     assert parse_sampling(json.dumps(value)) == value
     assert parse_sampling(None) == {}
     assert parse_sampling("{}") == {}
+
+
+def test_history_travels_after_the_activation_bytes():
+    act = wire.Activation("float32", (1, 2, 8), bytes(64))
+    history = wire.History((5, 1, 900), (7, 7))
+    headers = wire.forward_headers(act, mode="decode", session_id="s", past_len=3, start_layer=0, hop_index=1,
+                                   sampling=Sampling(presence_penalty=1.0).to_wire(), history=history)
+    parsed = wire.parse_forward(headers, bytes(act.data) + history.to_bytes(), hidden_size=8, first_layer=0,
+                                end_layer=4)
+    assert parsed.history == history
+    assert parsed.activation.data == bytes(64)
+    assert parsed.sampling["presence_penalty"] == 1.0
+    without = wire.parse_forward(wire.forward_headers(act, mode="prefill", session_id="s", past_len=0,
+                                                      start_layer=0, hop_index=1), bytes(64), hidden_size=8,
+                                 first_layer=0, end_layer=4)
+    assert without.history is None
+
+
+@pytest.mark.parametrize("count, extra", [("3,0", 8), ("1", 4), ("a,b", 4), ("0,99999", 4), ("-1,2", 4)])
+def test_a_bad_history_is_a_400(count, extra):
+    act = wire.Activation("float32", (1, 1, 8), bytes(32))
+    headers = wire.forward_headers(act, mode="prefill", session_id="s", past_len=0, start_layer=0, hop_index=0)
+    headers[wire.HISTORY] = count
+    with pytest.raises(BadRequest):
+        wire.parse_forward(headers, bytes(32 + extra), hidden_size=8, first_layer=0, end_layer=4)
+
+
+@pytest.mark.parametrize("field, value", [("min_p", 1.5), ("repetition_penalty", 0), ("presence_penalty", 3),
+                                          ("frequency_penalty", -2.5), ("logprobs", 21), ("logprobs", 1.0)])
+def test_bad_later_sampling_fields_are_a_400(field, value):
+    with pytest.raises(BadRequest):
+        wire.parse_sampling(json.dumps({field: value}))
+
+
+def test_the_tail_json_has_logprobs_only_when_asked():
+    plain = wire.ForwardReply(token_id=3, text="x")
+    assert plain.token_json() == {"token_id": 3, "text": "x"}
+    asked = wire.ForwardReply(token_id=3, text="x", logprob=-0.5, top_logprobs=[(3, -0.5), (4, -1.5)])
+    assert asked.token_json() == {"token_id": 3, "text": "x", "logprob": -0.5, "top_logprobs": [[3, -0.5], [4, -1.5]]}

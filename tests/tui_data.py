@@ -183,6 +183,7 @@ class ScriptedHead:
     """
 
     model_name = MODEL.name
+    model_names = [MODEL.name]
     max_tokens_cap = 4096
 
     def __init__(self, answer: list[str], *, hold_after: int | None = None, stats: dict | None = None,

@@ -60,13 +60,30 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    # added later: sent to a tail only when not at their defaults, so an older tail sees the old header
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # transformers': over the prompt's and the answer's tokens
+    presence_penalty: float = 0.0  # OpenAI's: over the answer's tokens only, like frequency_penalty
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; N: the chosen token's log-probability and the N best
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
+    @property
+    def penalized(self) -> bool:
+        """Whether the tail needs the tokens so far (see ``daemon.wire.History``)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The tail's ``X-Meshnet-Sampling``: the first four always, the later ones only when set."""
+        later = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                 "logprobs": None}
+        return {k: v for k, v in asdict(self).items() if k not in later or v != later[k]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Sampling:

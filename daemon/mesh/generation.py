@@ -40,6 +40,8 @@ class HopReply:
     token_id: int | None = None
     text: str | None = None
     compute_ms: float | None = None  # the node's own time on the step, as it reports
+    logprob: float | None = None  # the tail's, when the sampling asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # best first
     payload_bytes: int = 0  # activation bytes sent to a remote hop
     sent_bytes: int = 0  # the whole request on the wire: request line, headers, body
     received_bytes: int = 0  # the whole response: status line, headers, body
@@ -71,7 +73,8 @@ class HeadBackend(Protocol):
 
     async def local_step(self, activation: wire.Activation | None, *, mode: str | None, session_id: str,
                          past_len: int, start_layer: int, hop_index: int, sampling: Sampling | None,
-                         token_ids: list[int] | None = None, prefix: Reuse | None = None) -> HopReply:
+                         token_ids: list[int] | None = None, prefix: Reuse | None = None,
+                         history: wire.History | None = None) -> HopReply:
         """Run the head's own layers; with ``token_ids`` (a first hop) embed them in the same step."""
 
     def decode(self, token_ids: list[int]) -> str: ...
@@ -95,8 +98,10 @@ class GenerationRequest:
 
 @dataclass
 class TokenEvent:
-    token_id: int
+    token_id: int  # -1: no token of the answer (text held back until the end, or an older tail's)
     text: str  # newly final text, maybe empty
+    logprob: float | None = None  # the token's, when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
 
 
 class HopClient:
@@ -115,11 +120,14 @@ class HopClient:
         self._hidden_size = hidden_size
         self._timeout = timeout
 
-    async def step(self, hop: Hop, activation: wire.Activation, headers: dict[str, str]) -> HopReply:
+    async def step(self, hop: Hop, activation: wire.Activation, headers: dict[str, str],
+                   history: wire.History | None = None) -> HopReply:
+        """One step on ``hop``; ``history`` (the tail's, for a penalty) travels after the activation bytes."""
         headers = headers | {REQUEST_ID_HEADER: request_id.get()}  # one id across every node of a generation
         seconds = self._timeout * max(1.0, activation.shape[1] / 32)
+        body = activation.data if history is None else bytes(activation.data) + history.to_bytes()
         try:
-            resp = await self._transport.post(hop.url.rstrip("/") + "/forward", activation.data, headers=headers,
+            resp = await self._transport.post(hop.url.rstrip("/") + "/forward", body, headers=headers,
                                               timeout=seconds, connect_timeout=min(seconds, 5.0))
         except (TransportError, TimeoutError) as exc:
             reason = f"timed out after {seconds:.0f} s" if isinstance(exc, TimeoutError) else str(exc)
@@ -147,6 +155,7 @@ class HopClient:
             if "text" not in token and "token_id" not in token:
                 raise UpstreamError(f"{hop.url} sent neither activations nor a token")
             reply = HopReply(token_id=token.get("token_id"), text=token.get("text", ""), compute_ms=compute_ms)
+            reply.logprob, reply.top_logprobs = _logprobs(token)
         reply.payload_bytes = len(activation.data)
         reply.sent_bytes, reply.received_bytes = resp.sent_bytes, resp.received_bytes
         return reply
@@ -184,6 +193,16 @@ def _float_or_none(raw: str | None) -> float | None:
     return value if value is not None and 0.0 <= value < 1e9 else None
 
 
+def _logprobs(token: dict) -> tuple[float | None, list[tuple[int, float]] | None]:
+    """A tail's ``logprob`` and ``top_logprobs``, or nothing when absent or malformed."""
+    logprob, top = token.get("logprob"), token.get("top_logprobs")
+    if not isinstance(logprob, (int, float)) or isinstance(logprob, bool) or not isinstance(top, list):
+        return None, None
+    pairs = [(p[0], float(p[1])) for p in top
+             if isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], (int, float))]
+    return float(logprob), pairs
+
+
 def _json_or_empty(body: bytes) -> dict:
     try:
         value = json.loads(body)
@@ -204,33 +223,36 @@ async def run_step(
     sampling: Sampling,
     prefix: Reuse | None = None,
     on_hop: Callable[[Hop, float, HopReply], None] | None = None,
+    history: wire.History | None = None,
 ) -> HopReply:
     """Embed ``token_ids`` and pass the step along ``route``; the last hop answers with a token.
 
     The head's own first hop embeds inside its step (one hand-off to the torch thread, no bytes).
     ``prefix``: every hop first makes the session from that one (an extend step after a reused prefix).
-    ``on_hop(hop, total_ms, reply)`` is told each hop's latency and answer.
+    ``on_hop(hop, total_ms, reply)`` is told each hop's latency and answer. ``history`` goes to the tail.
     """
     reply = HopReply(activation=None if route[0].local else await backend.embed(token_ids))
     for index, hop in enumerate(route):
         if index and reply.activation is None:
             raise UpstreamError(f"hop {index - 1} ({route[index - 1].url}) answered a token before the last layer")
-        tail_sampling = sampling if index == len(route) - 1 else None
+        tail = index == len(route) - 1
+        tail_sampling = sampling if tail else None
         started = time.perf_counter()
         if hop.local:
             reply = await backend.local_step(
                 reply.activation, mode=mode, session_id=session_id, past_len=past_len,
                 start_layer=hop.start_layer, hop_index=index, sampling=tail_sampling,
-                token_ids=None if index else token_ids, prefix=prefix,
+                token_ids=None if index else token_ids, prefix=prefix, history=history if tail else None,
             )
         else:
             headers = wire.forward_headers(
                 reply.activation, mode=mode, session_id=session_id, past_len=past_len,
                 start_layer=hop.start_layer, hop_index=index,
-                sampling=tail_sampling.to_dict() if tail_sampling else None,
+                sampling=tail_sampling.to_wire() if tail_sampling else None,
                 prefix=prefix.source if prefix else None, take_prefix=bool(prefix and prefix.take),
+                history=history if tail else None,
             )
-            reply = await client.step(hop, reply.activation, headers)
+            reply = await client.step(hop, reply.activation, headers, history if tail else None)
         if on_hop is not None:
             on_hop(hop, (time.perf_counter() - started) * 1000.0, reply)
     if reply.activation is not None:
@@ -278,6 +300,9 @@ async def generate(
     if index is not None:
         index.follow(session_id, ids)
     stream = TextStream(backend.decode, request.stop)
+    sampling = request.sampling
+    # a repetition penalty looks at the prompt too: its ids once, as a set; the answer's go with every step
+    penalized_prompt = tuple(sorted(set(request.prompt_ids))) if sampling.repetition_penalty != 1.0 else ()
     started = time.perf_counter()
     decode_started: float | None = None
     last_token_at = 0.0
@@ -325,9 +350,10 @@ async def generate(
             feed = ids[past_len:] if mode == "decode" else ids
             step_started = time.perf_counter()
             try:
+                history = wire.History(penalized_prompt, tuple(stats.token_ids)) if sampling.penalized else None
                 reply = await run_step(
                     backend, client, route, feed, mode=mode, session_id=session_id,
-                    past_len=past_len, sampling=request.sampling, prefix=reuse, on_hop=observe,
+                    past_len=past_len, sampling=sampling, prefix=reuse, on_hop=observe, history=history,
                 )
             except CacheMiss as miss:
                 if mode != "decode":
@@ -402,12 +428,16 @@ async def generate(
                 stats.decode_seconds = now - decode_started
                 stats.step_ms.append((now - last_token_at) * 1000.0)
             last_token_at = now
+            if done and token_id is not None:  # the end-of-sequence token is no part of the answer
+                event = TokenEvent(-1, delta)
+            else:
+                event = TokenEvent(token_id if token_id is not None else -1, delta, reply.logprob, reply.top_logprobs)
             if done or stream.stopped:
                 stats.finish_reason = "stop"
-                if delta:
-                    yield TokenEvent(token_id if token_id is not None else -1, delta)
+                if delta or event.logprob is not None:
+                    yield event
                 return
-            yield TokenEvent(token_id if token_id is not None else -1, delta)
+            yield event
         stats.finish_reason = "length"
         tail = stream.finish()
         if tail:

@@ -40,7 +40,11 @@ class Tokenizer(Protocol):
 
     def encode_text(self, text: str) -> list[int]: ...
 
+    def encode_prompt(self, text: str) -> list[int]: ...
+
     def decode(self, token_ids: list[int]) -> str: ...
+
+    def token_text(self, token_id: int) -> str: ...
 
     def default_sampling(self) -> dict: ...
 
@@ -50,6 +54,7 @@ class OwnLayers(Protocol):
 
     hidden_size: int
     context_length: int
+    vocab_size: int
 
     async def ensure_head(self) -> Tokenizer: ...
 
@@ -65,25 +70,39 @@ class OwnLayers(Protocol):
 
 @dataclass
 class ChatRequest:
-    """A chat as a client asked for it; ``None`` leaves a choice to the model's defaults."""
+    """A chat (``messages``, through the chat template) or a raw ``prompt`` (text, tokenized as it is, or token
+    ids), as a client asked for it; ``None`` leaves a choice to the model's defaults."""
 
-    messages: list[dict]
+    messages: list[dict] | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None  # None: a random one, reported in the stats
+    prompt: str | list[int] | None = None  # instead of messages: no template
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: none; N: each token's logprob and the N best alternatives'
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, golden tests)
     client: str | None = None  # who asks (the OpenAI "user", else the address): --prefix-reuse client's scope
+
+    @property
+    def prompt_param(self) -> str:
+        """The request field a problem with the prompt is reported against."""
+        return "messages" if self.prompt is None else "prompt"
 
 
 class Generation:
     """One generation under way: iterate it for text as it becomes final; ``stats`` fill in as it goes."""
 
-    def __init__(self, stats: GenerationStats, events: AsyncIterator[TokenEvent], *, model: str) -> None:
+    def __init__(self, stats: GenerationStats, events: AsyncIterator[TokenEvent], *, model: str,
+                 tokenizer: Tokenizer | None = None) -> None:
         self.stats = stats
         self.model = model
+        self.tokenizer = tokenizer  # names the tokens of logprobs
         self.created = int(time.time())
         self._events = events
 
@@ -106,11 +125,12 @@ class Head:
     """Generations headed by this node: admission, tokenizing, routing, and the loop's counters."""
 
     def __init__(self, own: OwnLayers, planner: RoutePlanner, metrics: Metrics, *, model_name: str,
-                 settings: HeadSettings) -> None:
+                 settings: HeadSettings, aliases: list[str] = ()) -> None:
         self.own = own
         self.planner = planner
         self.metrics = metrics
-        self.model_name = model_name
+        self.model_name = model_name  # what answers report
+        self.model_names = [model_name, *(a for a in aliases if a != model_name)]  # what requests may name
         self.settings = settings
         self.active_generations = 0
         self.generations = 0  # finished or abandoned
@@ -150,11 +170,11 @@ class Head:
         try:
             started = time.perf_counter()
             tokenizer = await self.own.ensure_head()
-            prompt_ids = tokenizer.encode_chat(request.messages)
+            prompt_ids = self._prompt_ids(request, tokenizer)
             context = self.context_length
             if len(prompt_ids) >= context:
                 raise BadRequest(f"the prompt is {len(prompt_ids)} tokens; the model's context is {context}",
-                                 param="messages")
+                                 param=request.prompt_param)
             asked = request.max_tokens or min(self.settings.max_tokens_default, self.settings.max_tokens_cap)
             max_tokens = min(asked, context - len(prompt_ids))
             sampling = self._sampling(request, tokenizer.default_sampling())
@@ -179,7 +199,8 @@ class Head:
             try:
                 async with contextlib.aclosing(events):
                     try:
-                        yield Generation(stats, self._timed(events, started), model=self.model_name)
+                        yield Generation(stats, self._timed(events, started), model=self.model_name,
+                                         tokenizer=tokenizer)
                     finally:
                         self._finished(stats)
             finally:
@@ -193,6 +214,21 @@ class Head:
             raise RuntimeError("the head sends no hops before connect()")
         return self._hops
 
+    def _prompt_ids(self, request: ChatRequest, tokenizer: Tokenizer) -> list[int]:
+        """The prompt's token ids: the chat template over the messages, or the raw prompt as it is."""
+        if request.prompt is None:
+            return tokenizer.encode_chat(request.messages or [])
+        if isinstance(request.prompt, str):
+            ids = tokenizer.encode_prompt(request.prompt)
+        else:
+            ids = list(request.prompt)
+            vocab = self.own.vocab_size
+            if any(not 0 <= i < vocab for i in ids):
+                raise BadRequest(f"prompt token ids must be between 0 and {vocab - 1}", param="prompt")
+        if not ids:
+            raise BadRequest("the prompt is empty", param="prompt")
+        return ids
+
     @staticmethod
     def _sampling(request: ChatRequest, defaults: dict) -> Sampling:
         def pick(name: str):
@@ -200,7 +236,10 @@ class Head:
             return defaults[name] if asked is None else asked
 
         seed = request.seed if request.seed is not None else secrets.randbits(63)
-        return Sampling(float(pick("temperature")), float(pick("top_p")), int(pick("top_k")), seed)
+        return Sampling(float(pick("temperature")), float(pick("top_p")), int(pick("top_k")), seed,
+                        min_p=float(request.min_p), repetition_penalty=float(request.repetition_penalty),
+                        presence_penalty=float(request.presence_penalty),
+                        frequency_penalty=float(request.frequency_penalty), logprobs=request.logprobs)
 
     async def _timed(self, events: AsyncIterator[TokenEvent], started: float) -> AsyncIterator[TokenEvent]:
         """Pass the events through, timing the first token and the gaps between tokens for /metrics,
@@ -244,17 +283,17 @@ class _LocalBackend:
 
     async def local_step(self, activation: wire.Activation | None, *, mode, session_id, past_len, start_layer,
                          hop_index, sampling: Sampling | None, token_ids: list[int] | None = None,
-                         prefix: Reuse | None = None) -> HopReply:
+                         prefix: Reuse | None = None, history: wire.History | None = None) -> HopReply:
         if token_ids is not None:  # embedded in the step itself: the activation is only its dtype and shape
             activation = wire.Activation(self._wire_dtype, (1, len(token_ids), self.hidden_size), b"")
         request = wire.ForwardRequest(
             activation=activation, mode=mode, session_id=session_id, past_len=past_len,
-            start_layer=start_layer, hop_index=hop_index, sampling=sampling.to_dict() if sampling else {},
-            prefix=prefix.source if prefix else None, take_prefix=bool(prefix and prefix.take),
+            start_layer=start_layer, hop_index=hop_index, sampling=sampling.to_wire() if sampling else {},
+            prefix=prefix.source if prefix else None, take_prefix=bool(prefix and prefix.take), history=history,
         )
         reply = await self._own.forward(request, token_ids=token_ids)
         return HopReply(activation=reply.activation, token_id=reply.token_id, text=reply.text,
-                        compute_ms=reply.compute_ms)
+                        compute_ms=reply.compute_ms, logprob=reply.logprob, top_logprobs=reply.top_logprobs)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids)

@@ -8,11 +8,14 @@ or a re-route reproduces exactly the tokens an uninterrupted run would have.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 from daemon.api import Sampling
 from daemon.errors import BadRequest
+from daemon.wire import History
 
 _MASK64 = (1 << 63) - 1
 
@@ -25,8 +28,54 @@ def position_generator(seed: int, position: int) -> torch.Generator:
     return torch.Generator().manual_seed(x & _MASK64)
 
 
-def sample_token(logits: torch.Tensor, params: Sampling, position: int) -> int:
-    """Pick the token at absolute ``position`` from ``logits`` of shape ``[vocab]``.
+@dataclass
+class Choice:
+    """The tail's token, with its log-probability and the best alternatives' when they were asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # best first
+
+
+def choose_token(logits: torch.Tensor, params: Sampling, position: int, history: History | None = None) -> Choice:
+    """The token at absolute ``position`` from ``logits [vocab]``, with log-probabilities if ``params`` asks.
+
+    The log-probabilities are the model's own (the raw log-softmax of the logits, before penalties,
+    temperature or truncation), as vLLM reports them by default.
+    """
+    token_id = sample_token(logits, params, position, history)
+    if params.logprobs is None:
+        return Choice(token_id)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, min(params.logprobs, logprobs.shape[-1])) if params.logprobs else None
+    pairs = [] if top is None else [(int(i), float(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+    return Choice(token_id, float(logprobs[token_id]), pairs)
+
+
+def penalized(logits: torch.Tensor, params: Sampling, history: History | None) -> torch.Tensor:
+    """``logits [vocab]`` after the repetition penalty (transformers', over prompt and answer) and OpenAI's
+    presence and frequency penalties (over the answer): ``logit -= frequency * count + presence * (count > 0)``."""
+    if not params.penalized:
+        return logits
+    if history is None:
+        raise BadRequest("a penalty needs the tokens so far (X-Meshnet-History)", param="X-Meshnet-History")
+    vocab = logits.shape[-1]
+    if any(i >= vocab for i in history.prompt) or any(i >= vocab for i in history.generated):
+        raise BadRequest(f"X-Meshnet-History names a token past the vocabulary ({vocab})", param="X-Meshnet-History")
+    scores = logits.float().clone()  # the processors may write in place; the raw logits give the logprobs
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor([list(history.prompt + history.generated)], dtype=torch.long)
+        if seen.numel():
+            scores = RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty))(seen, scores[None])[0]
+    if history.generated and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(history.generated, dtype=torch.long), minlength=vocab).float()
+        scores = scores - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    return scores
+
+
+def sample_token(logits: torch.Tensor, params: Sampling, position: int, history: History | None = None) -> int:
+    """Pick the token at absolute ``position`` from ``logits`` of shape ``[vocab]``: penalties, then
+    temperature, top-k, top-p and min-p, in transformers' order.
 
     Non-finite logits come from non-finite activations a caller sent: a 400, not a crash in the sampler.
     """
@@ -35,6 +84,7 @@ def sample_token(logits: torch.Tensor, params: Sampling, position: int) -> int:
     if not math.isfinite(float(logits.sum())):
         raise BadRequest("the activations give non-finite logits (NaN or infinity): not a valid hidden state",
                          param="body")
+    logits = penalized(logits, params, history)
     if params.greedy:
         return int(torch.argmax(logits).item())
     scores = logits.float() / params.temperature
@@ -49,5 +99,7 @@ def sample_token(logits: torch.Tensor, params: Sampling, position: int) -> int:
         drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        scores = MinPLogitsWarper(float(params.min_p))(None, scores[None])[0]
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)).item())

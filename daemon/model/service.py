@@ -55,6 +55,7 @@ class ShardService:
         self.start, self.end = shard.start, shard.end
         self.info = shard.info
         self.hidden_size = shard.info.hidden_size
+        self.vocab_size = shard.info.vocab_size
         self.context_length = getattr(shard.config, "max_position_embeddings", None) or wire.MAX_SEQUENCE
         self.chat_template: str | None = None  # --chat-template's text, used instead of the model's
         self.kv_cache_enabled = kv_cache  # as configured; whether the layers take a cache is the shard's
@@ -155,7 +156,9 @@ class ShardService:
         compute_ms = done.seconds * 1000.0
         if done.out is not None:
             return wire.ForwardReply(activation=done.out, compute_ms=compute_ms)
-        return wire.ForwardReply(token_id=done.result.token_id, text=done.result.text, compute_ms=compute_ms)
+        result = done.result
+        return wire.ForwardReply(token_id=result.token_id, text=result.text, compute_ms=compute_ms,
+                                 logprob=result.logprob, top_logprobs=result.top_logprobs)
 
     def _run_jobs(self, jobs: list[Job]) -> list[Computed | Exception]:
         """A batch the queue took, on the torch thread: each job's outcome, a failure its own."""
@@ -190,6 +193,7 @@ class ShardService:
             sampling=Sampling(**request.sampling),
             prefix=request.prefix,
             take_prefix=request.take_prefix,
+            history=request.history,
         )
         seconds = time.perf_counter() - started
         # the reply travels in the dtype the request came in, serialised here rather than on the event loop
@@ -215,7 +219,7 @@ class ShardService:
             result = self.shard.step(part, mode=r.mode if first else "decode", session_id=r.session_id,
                                      past_len=base + chunks.done, start_layer=r.start_layer,
                                      sampling=Sampling(**r.sampling), prefix=r.prefix if first else None,
-                                     take_prefix=r.take_prefix and first)
+                                     take_prefix=r.take_prefix and first, history=r.history)
         except CacheMiss:
             # evicted between two chunks of a prefill: the prompt from its start, here, rather than a failed step
             if first or r.mode != "prefill" or chunks.restarts >= MAX_CHUNK_RESTARTS:
@@ -240,7 +244,7 @@ class ShardService:
             r = job.request
             try:
                 steps.append(DecodeStep(self._hidden(r, job.token_ids), r.session_id, r.past_len,
-                                        Sampling(**r.sampling)))
+                                        Sampling(**r.sampling), r.history))
                 rows.append(i)
             except Exception as exc:  # noqa: BLE001 - that step's own error
                 outcomes[i] = exc

@@ -27,8 +27,9 @@ from daemon.errors import BadRequest, CacheMiss, ModelUnavailable
 from daemon.kvstore import SessionCacheStore
 from daemon.model.batching import SessionBatch, attention_configs, batched_attention, batching_refusal
 from daemon.model.quantize import parameter_bytes, quantize_layers
-from daemon.model.sampling import sample_token
+from daemon.model.sampling import choose_token
 from daemon.model.tokenizer import ChatTokenizer
+from daemon.wire import History
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class DecodeStep:
     session_id: str
     past_len: int
     sampling: Sampling
+    history: History | None = None  # the tokens so far, for a penalty
 
 
 @dataclass
@@ -95,6 +97,8 @@ class StepResult:
     hidden: torch.Tensor | None = None
     token_id: int | None = None
     text: str | None = None
+    logprob: float | None = None  # when the sampling asks for them
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 def read_model_info(folder: Path, config=None) -> ModelInfo:
@@ -441,6 +445,7 @@ class ModelShard:
         sampling: Sampling,
         prefix: str | None = None,
         take_prefix: bool = False,
+        history: History | None = None,
     ) -> StepResult:
         """One /forward step: ``mode`` is ``"prefill"``, ``"decode"`` or ``None`` (stateless). A decode step
         over several positions extends the session; with ``prefix`` the session is first made from the first
@@ -457,7 +462,7 @@ class ModelShard:
         else:
             past_len = 0
         return self._run_step(hidden, cache=cache, mode=mode, session_id=session_id, past_len=past_len,
-                              start_layer=start_layer, sampling=sampling)
+                              start_layer=start_layer, sampling=sampling, history=history)
 
     def _session_cache(self, session_id: str, *, past_len: int, start_layer: int, prefix: str | None = None,
                        take_prefix: bool = False):
@@ -474,15 +479,14 @@ class ModelShard:
         return self.sessions.checkout(session_id, past_len=past_len, start_layer=start_layer).cache
 
     def _run_step(self, hidden: torch.Tensor, *, cache, mode: str | None, session_id: str | None, past_len: int,
-                  start_layer: int, sampling: Sampling) -> StepResult:
+                  start_layer: int, sampling: Sampling, history: History | None = None) -> StepResult:
         new_len = past_len + hidden.shape[1]
         try:
             out = self.run_layers(hidden, start_layer=start_layer, past_len=past_len, cache=cache)
             result = StepResult(hidden=out)
             if self.is_tail:
                 # sampled on the host, whatever the device: the draw at a position is the same on every node
-                token_id = sample_token(self.logits_last(out).cpu(), sampling, position=new_len)
-                result = StepResult(token_id=token_id, text=self.tokenizer.token_text(token_id))
+                result = self._token(self.logits_last(out).cpu(), sampling, new_len, history)
         except BaseException:
             if mode == "decode":  # the cache may hold part of this step now: a later decode must miss
                 self.sessions.drop(session_id)
@@ -513,7 +517,8 @@ class ModelShard:
             step = steps[i]
             try:
                 outcomes[i] = self._run_step(step.hidden, cache=cache, mode="decode", session_id=step.session_id,
-                                             past_len=step.past_len, start_layer=start_layer, sampling=step.sampling)
+                                             past_len=step.past_len, start_layer=start_layer, sampling=step.sampling,
+                                             history=step.history)
             except Exception as exc:  # noqa: BLE001 - that session's error, reported to its request
                 outcomes[i] = exc
         elif ready:
@@ -532,8 +537,7 @@ class ModelShard:
                 logits = self.logits_rows(out).cpu()
                 results = []
                 for row, step in enumerate(rows):
-                    token_id = sample_token(logits[row], step.sampling, position=step.past_len + 1)
-                    results.append(StepResult(token_id=token_id, text=self.tokenizer.token_text(token_id)))
+                    results.append(self._token(logits[row], step.sampling, step.past_len + 1, step.history))
             else:
                 results = [StepResult(hidden=out[:, row:row + 1]) for row in range(len(rows))]
         except Exception as exc:  # noqa: BLE001 - every session of the batch gets it; their caches are dropped
@@ -545,6 +549,12 @@ class ModelShard:
         for (i, cache), step, result in zip(ready, rows, results):
             self.sessions.commit(step.session_id, past_len=step.past_len + 1, nbytes=cache_nbytes(cache))
             outcomes[i] = result
+
+    def _token(self, logits: torch.Tensor, sampling: Sampling, position: int, history: History | None) -> StepResult:
+        """The tail's answer from ``logits [vocab]``: the token at ``position``, named, with its logprobs if asked."""
+        choice = choose_token(logits, sampling, position, history)
+        return StepResult(token_id=choice.token_id, text=self.tokenizer.token_text(choice.token_id),
+                          logprob=choice.logprob, top_logprobs=choice.top_logprobs)
 
     @torch.inference_mode()
     def run_batch(self, hidden: torch.Tensor, *, start_layer: int, position_ids: torch.Tensor,

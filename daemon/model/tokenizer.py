@@ -43,6 +43,10 @@ class ChatTokenizer:
     def encode_text(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw completion prompt, no template: as the tokenizer encodes text by default (a BOS where it adds one)."""
+        return self._tokenizer.encode(text)
+
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 

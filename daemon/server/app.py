@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from daemon.server import forward, openai, status
+from daemon.server import completions, forward, openai, status
 from daemon.server.backend import NodeBackend
 from daemon.server.errors import error_middleware
 from daemon.server.guard import (
@@ -41,6 +41,8 @@ def create_app(node: NodeBackend, *, token: str | None = None, max_body_bytes: i
     app.router.add_post("/forward", forward.forward)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_get("/v1/models", openai.models)
+    app.router.add_get("/v1/models/{model_id:.+}", openai.model)
+    app.router.add_post("/v1/completions", completions.completions)
     app.router.add_get("/health", status.health)
     app.router.add_get("/metrics", status.metrics)
     app.router.add_get("/v1/status", status.status)

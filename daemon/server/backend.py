@@ -29,6 +29,7 @@ class ChatHead(Protocol):
     """The OpenAI endpoints: generations this node heads (``daemon.mesh.head.Head``)."""
 
     model_name: str
+    model_names: list[str]  # the first is model_name; the others, aliases requests may name
 
     @property
     def max_tokens_cap(self) -> int: ...

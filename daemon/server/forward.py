@@ -21,4 +21,4 @@ async def forward(request: web.Request) -> web.Response:
             content_type=wire.ACTIVATION_CONTENT_TYPE,
             headers=reply.activation.headers() | headers,
         )
-    return web.json_response({"token_id": reply.token_id, "text": reply.text}, headers=headers)
+    return web.json_response(reply.token_json(), headers=headers)

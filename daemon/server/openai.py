@@ -1,5 +1,6 @@
-"""OpenAI-compatible ``POST /v1/chat/completions`` and ``GET /v1/models``: OpenAI's JSON in, the head's
-API (``daemon.mesh.head``), OpenAI's JSON out.
+"""OpenAI-compatible ``POST /v1/chat/completions``, ``GET /v1/models`` and ``GET /v1/models/{id}``: OpenAI's
+JSON in, the head's API (``daemon.mesh.head``), OpenAI's JSON out. The legacy ``/v1/completions`` is in
+``daemon.server.completions``; what both requests share is checked in ``daemon.server.openai_request``.
 
 Sampling a request leaves unnamed follows the model's generation config (greedy for the built-in
 model) rather than OpenAI's temperature 1.0; a request without a seed gets a random one from the
@@ -8,48 +9,33 @@ head, so a re-prefill mid-generation still reproduces its tokens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from daemon.api import GenerationStats
-from daemon.errors import BadRequest, MeshError
+from daemon.errors import BadRequest, MeshError, ModelNotFound
 from daemon.logs import REQUEST_ID_HEADER, request_id
-from daemon.mesh.head import ChatRequest, Generation
+from daemon.mesh.generation import TokenEvent
+from daemon.mesh.head import ChatRequest, Generation, Head
 from daemon.server.errors import error_body, read_json
 from daemon.server.keys import NODE
+from daemon.server.openai_request import (
+    StreamOptions,
+    boolean,
+    check_model,
+    generation_fields,
+    refuse_unsupported,
+    stream_options,
+    top_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
 _ROLES = ("system", "user", "assistant", "developer", "tool")
-
-
-@dataclass
-class StreamOptions:
-    """How the answer travels: at once, or as server-sent events (with a last usage event)."""
-
-    stream: bool = False
-    include_usage: bool = False
-
-
-def _number(body: dict, name: str, lo: float, hi: float, default):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise BadRequest(f"{name} must be a number between {lo} and {hi}", param=name)
-    return value
-
-
-def _integer(body: dict, name: str, lo: int, hi: int, default):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise BadRequest(f"{name} must be an integer between {lo} and {hi}", param=name)
-    return value
 
 
 def _content_text(content, index: int) -> str:
@@ -65,10 +51,13 @@ def _content_text(content, index: int) -> str:
     raise BadRequest(f"messages[{index}].content must be a string or a list of text parts", param="messages")
 
 
-def parse_chat_request(body, *, max_tokens_cap: int) -> tuple[ChatRequest, StreamOptions]:
-    """Validate a chat request; every problem is a 400 that names its parameter."""
+def parse_chat_request(body, *, max_tokens_cap: int,
+                       served: list[str] | None = None) -> tuple[ChatRequest, StreamOptions]:
+    """Validate a chat request; every problem is a 400 that names its parameter (an unknown model, a 404)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    if served is not None:
+        check_model(body, served)
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:
         raise BadRequest("messages must be a non-empty list", param="messages")
@@ -78,46 +67,19 @@ def parse_chat_request(body, *, max_tokens_cap: int) -> tuple[ChatRequest, Strea
             raise BadRequest(f"messages[{i}] needs a role, one of {list(_ROLES)}", param="messages")
         role = "system" if m["role"] == "developer" else m["role"]
         messages.append({"role": role, "content": _content_text(m.get("content"), i)})
-    if body.get("n") not in (None, 1):
-        raise BadRequest("only n=1 is supported", param="n")
-    max_tokens = _integer(body, "max_completion_tokens", 1, max_tokens_cap, None)
-    max_tokens = _integer(body, "max_tokens", 1, max_tokens_cap, max_tokens)
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("stop must be a string or a list of up to 4 non-empty strings", param="stop")
-    stream = body.get("stream")
-    stream = False if stream is None else stream
-    if not isinstance(stream, bool):
-        raise BadRequest("stream must be true or false", param="stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise BadRequest("stream_options must be an object", param="stream_options")
-    seed = _integer(body, "seed", -(2**63), 2**63 - 1, None)
-    temperature = _number(body, "temperature", 0.0, 2.0, None)
-    top_p = _number(body, "top_p", 0.0, 1.0, None)
-    top_k = _integer(body, "top_k", 0, 1_000_000, None)
-    ignore_eos = body.get("ignore_eos")
-    ignore_eos = False if ignore_eos is None else ignore_eos
-    if not isinstance(ignore_eos, bool):
-        raise BadRequest("ignore_eos must be true or false", param="ignore_eos")
-    if top_p is not None and top_p <= 0.0:
-        raise BadRequest("top_p must be greater than 0", param="top_p")
-    user = body.get("user")
-    if user is not None and not (isinstance(user, str) and 0 < len(user) <= 256):
-        raise BadRequest("user must be a string of 1 to 256 characters", param="user")
-    chat = ChatRequest(
-        messages, max_tokens=max_tokens, temperature=None if temperature is None else float(temperature),
-        top_p=None if top_p is None else float(top_p), top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-        client=None if user is None else f"user:{user}",
-    )
-    return chat, StreamOptions(stream, bool(options.get("include_usage")))
+    refuse_unsupported(body)
+    fields = generation_fields(body, max_tokens_cap=max_tokens_cap)
+    options = stream_options(body)
+    logprobs = None
+    if boolean(body, "logprobs", False):
+        logprobs = top_logprobs(body, "top_logprobs")
+    elif body.get("top_logprobs") is not None:
+        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    return ChatRequest(messages, logprobs=logprobs, **fields), options
 
 
-def _usage(stats: GenerationStats) -> dict:
+def usage(stats: GenerationStats) -> dict:
+    """OpenAI's ``usage`` block of a finished generation."""
     return {
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
@@ -128,12 +90,13 @@ def _usage(stats: GenerationStats) -> dict:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     head = request.app[NODE].head
-    chat, options = parse_chat_request(await read_json(request), max_tokens_cap=head.max_tokens_cap)
+    chat, options = parse_chat_request(await read_json(request), max_tokens_cap=head.max_tokens_cap,
+                                       served=head.model_names)
     chat.client = chat.client or f"address:{request.remote}"  # whose prefixes --prefix-reuse client shares
     async with head.generate(chat) as generation:
         if options.stream:
-            return await _stream(request, generation, options)
-        text = "".join([event.text async for event in generation])
+            return await stream_events(request, generation, _chat_chunks(generation, chat, options))
+        events = [event async for event in generation]
         stats = generation.stats
         return web.json_response({
             "id": _completion_id(stats),
@@ -142,11 +105,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "model": generation.model,
             "choices": [{
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": {"role": "assistant", "content": "".join(event.text for event in events)},
                 "finish_reason": stats.finish_reason,
-                "logprobs": None,
+                "logprobs": _chat_logprobs(generation, events) if chat.logprobs is not None else None,
             }],
-            "usage": _usage(stats),
+            "usage": usage(stats),
             "meshnet": stats.to_dict(),
         })
 
@@ -155,30 +118,55 @@ def _completion_id(stats: GenerationStats) -> str:
     return f"chatcmpl-{stats.session_id}"
 
 
-async def _stream(request: web.Request, generation: Generation, options: StreamOptions) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           REQUEST_ID_HEADER: request_id.get()})
-    await response.prepare(request)
+def _token_entry(generation: Generation, token_id: int, logprob: float) -> dict:
+    text = generation.tokenizer.token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _chat_logprobs(generation: Generation, events: list[TokenEvent]) -> dict:
+    """OpenAI's chat ``logprobs``: one entry per token of the answer, with its best alternatives."""
+    content = []
+    for event in events:
+        if event.logprob is None:
+            continue
+        entry = _token_entry(generation, event.token_id, event.logprob)
+        entry["top_logprobs"] = [_token_entry(generation, i, lp) for i, lp in event.top_logprobs or []]
+        content.append(entry)
+    return {"content": content}
+
+
+async def _chat_chunks(generation: Generation, chat: ChatRequest, options: StreamOptions) -> AsyncIterator[dict]:
     stats = generation.stats
     envelope = {"id": _completion_id(stats), "object": "chat.completion.chunk", "created": generation.created,
                 "model": generation.model}
 
-    def chunk(delta: dict, finish_reason=None, **extra) -> bytes:
-        choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
-        return f"data: {json.dumps(envelope | {'choices': choices} | extra)}\n\n".encode()
+    def chunk(delta: dict, finish_reason=None, logprobs=None, **extra) -> dict:
+        choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
+        return envelope | {"choices": choices} | extra
 
-    await response.write(chunk({"role": "assistant", "content": ""}))
+    yield chunk({"role": "assistant", "content": ""})
+    async for event in generation:
+        if event.text or (chat.logprobs is not None and event.logprob is not None):
+            logprobs = _chat_logprobs(generation, [event]) if chat.logprobs is not None else None
+            yield chunk({"content": event.text}, logprobs=logprobs)
+    yield chunk({}, stats.finish_reason, meshnet=stats.to_dict())
+    if options.include_usage:
+        yield envelope | {"choices": [], "usage": usage(stats)}
+
+
+async def stream_events(request: web.Request, generation: Generation,
+                        chunks: AsyncIterator[dict]) -> web.StreamResponse:
+    """Send ``chunks`` as server-sent events, then ``[DONE]``; an error after the headers travels as an event."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           REQUEST_ID_HEADER: request_id.get()})
+    await response.prepare(request)
     try:
-        async for event in generation:
-            if event.text:
-                await response.write(chunk({"content": event.text}))
-        await response.write(chunk({}, stats.finish_reason, meshnet=stats.to_dict()))
-        if options.include_usage:
-            usage = envelope | {"choices": [], "usage": _usage(stats)}
-            await response.write(f"data: {json.dumps(usage)}\n\n".encode())
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
     except ConnectionResetError:
         # the client went away (an operator pressed Esc): stop generating; the head drops the session
-        log.info("client left during generation %s", stats.session_id)
+        log.info("client left during generation %s", generation.stats.session_id)
         return response
     except MeshError as exc:
         # headers are gone already: the error travels as an event, as OpenAI's API does
@@ -189,10 +177,20 @@ async def _stream(request: web.Request, generation: Generation, options: StreamO
     return response
 
 
+def _model_object(name: str, head: Head) -> dict:
+    # max_model_len as vLLM reports it: prompt and answer together
+    return {"id": name, "object": "model", "created": 0, "owned_by": "meshnet", "max_model_len": head.context_length}
+
+
 async def models(request: web.Request) -> web.Response:
+    """Every name this node serves the model under, the one its answers report first."""
     head = request.app[NODE].head
-    return web.json_response({
-        "object": "list",
-        "data": [{"id": head.model_name, "object": "model", "created": 0, "owned_by": "meshnet",
-                  "max_model_len": head.context_length}],  # as vLLM reports it: prompt and answer together
-    })
+    return web.json_response({"object": "list", "data": [_model_object(name, head) for name in head.model_names]})
+
+
+async def model(request: web.Request) -> web.Response:
+    head = request.app[NODE].head
+    name = request.match_info["model_id"]
+    if name not in head.model_names:
+        raise ModelNotFound(f"The model {name[:200]!r} does not exist on this node; it serves {head.model_names}")
+    return web.json_response(_model_object(name, head))
