@@ -19,6 +19,7 @@ def meshd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, expected", [
     ("/no/such/model", "no such file"),
     ("HuggingFaceTB/SmolLM2-135M-Instruct", "hub"),

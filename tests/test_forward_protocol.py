@@ -319,6 +319,7 @@ def test_decode_from_another_start_layer_is_a_409(tail):
     assert_cache_miss(reply, "start_layer_mismatch")
 
 
+@pytest.mark.slow
 def test_a_node_without_a_kv_cache_prefills_statelessly_and_refuses_decode(nokv, ref, prompt_ids):
     hidden, _ = ref.run(prompt_ids)
     token = token_of(forward(nokv.url, hidden, {CACHE: "prefill", SESSION: "nokv-1"}))
@@ -331,6 +332,7 @@ def test_a_node_without_a_kv_cache_prefills_statelessly_and_refuses_decode(nokv,
     assert status["kv_cache_enabled"] is False
 
 
+@pytest.mark.slow
 def test_a_cache_disabled_miss_is_counted(nokv):
     before = store_stats(nokv)
     assert_cache_miss(forward(nokv.url, random_hidden(1), {CACHE: "decode", SESSION: "nokv-2", PAST_LEN: "3"}),

@@ -241,6 +241,7 @@ def test_the_written_gguf_loads_back_into_the_tiny_model(tiny_gguf, tiny_llama, 
     assert all(torch.equal(original[key], whole[key]) for key in original)  # Q/K rows restored, nothing lost
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant", ["F32", "Q8_0"])
 @pytest.mark.parametrize(("start", "end"), [(0, 2), (2, 4), (1, 3), (0, 4)])
 def test_a_range_holds_exactly_its_tensors_as_the_whole_model_loader_makes_them(
@@ -278,6 +279,7 @@ def test_a_qwen35_range_goes_through_the_newer_loader_and_loads_in_a_shard(
     assert head.supports_kv_cache and tail.supports_kv_cache
 
 
+@pytest.mark.slow
 def test_quantized_weights_really_were_quantized(tiny_gguf, whole_gguf_weights) -> None:
     import torch
 
@@ -286,6 +288,7 @@ def test_quantized_weights_really_were_quantized(tiny_gguf, whole_gguf_weights) 
     assert not torch.equal(f32[key], q8[key]) and torch.allclose(f32[key], q8[key], atol=0.01)
 
 
+@pytest.mark.slow
 def test_other_dtypes_are_the_float32_weights_cast(tiny_gguf, tmp_path: Path) -> None:
     import torch
 
@@ -301,6 +304,7 @@ def test_other_dtypes_are_the_float32_weights_cast(tiny_gguf, tmp_path: Path) ->
         write_gguf_range(gguf_path, tmp_path / "int8", 2, 4, dtype="int8", progress=lambda _: None)
 
 
+@pytest.mark.slow
 def test_every_range_and_dtype_shares_config_tokenizer_name_and_fingerprint(
     tiny_gguf, temp_cache: Path, tmp_path: Path
 ) -> None:
@@ -324,6 +328,7 @@ def test_every_range_and_dtype_shares_config_tokenizer_name_and_fingerprint(
                                                  "dtype": "bfloat16"}
 
 
+@pytest.mark.slow
 def test_a_range_is_converted_once_and_a_changed_file_again(tiny_gguf, temp_cache: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     import os

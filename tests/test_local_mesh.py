@@ -115,6 +115,7 @@ async def mesh(tiny_model, tmp_path_factory):
     local.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
 async def test_progress_arrives_line_by_line_for_each_node(mesh):
     local, progress = mesh
@@ -127,6 +128,7 @@ async def test_progress_arrives_line_by_line_for_each_node(mesh):
     assert progress.of("model") == []  # a model folder needs no fetch step
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
 async def test_every_node_answers_and_the_head_routes_every_layer(mesh):
     local, _ = mesh
@@ -139,6 +141,7 @@ async def test_every_node_answers_and_the_head_routes_every_layer(mesh):
     assert {hop["url"] for hop in route["hops"]} == set(local.urls)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
 async def test_chat_through_the_head(mesh):
     local, _ = mesh
@@ -148,6 +151,7 @@ async def test_chat_through_the_head(mesh):
     assert len(body["meshnet"]["route"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
 async def test_each_node_knows_the_others_and_shares_the_cores(mesh):
     local, _ = mesh
@@ -158,6 +162,7 @@ async def test_each_node_knows_the_others_and_shares_the_cores(mesh):
         assert [argv[i + 1] for i, a in enumerate(argv) if a == "--peer"] == [other.url]
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_head_already_serving_is_reused_and_told_about_peers(mesh):
     local, _ = mesh

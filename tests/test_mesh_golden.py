@@ -64,6 +64,7 @@ def test_any_node_serves_chat(two_nodes, reference_tokens):
     assert stats["token_ids"] == reference_tokens(PROMPTS[2], NEW_TOKENS, ignore_eos=True)[:32]
 
 
+@pytest.mark.slow
 def test_mesh_stops_at_eos_like_generate(two_nodes, reference_tokens):
     head, _ = two_nodes
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -164,6 +165,7 @@ def test_legacy_tail_without_token_ids_prefills_every_step(default_model, refere
         head.stop(), tail.stop()
 
 
+@pytest.mark.slow
 def test_half_the_layers_hold_half_the_layer_weights(two_nodes, reference_model):
     model, _ = reference_model
     full_layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())

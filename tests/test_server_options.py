@@ -47,6 +47,7 @@ def node(tiny_model, tmp_path_factory):
     daemon.stop()
 
 
+@pytest.mark.slow
 def test_the_api_key_from_its_file_guards_every_endpoint_but_health(node):
     assert request(node, "GET", "/health")[0] == 200
     assert request(node, "GET", "/v1/status")[0] == 401
@@ -54,6 +55,7 @@ def test_the_api_key_from_its_file_guards_every_endpoint_but_health(node):
     assert request(node, "GET", "/v1/status", headers=AUTH)[0] == 200
 
 
+@pytest.mark.slow
 def test_a_preflight_from_an_allowed_origin_passes_without_the_key(node):
     status, headers, _ = request(node, "OPTIONS", "/v1/chat/completions", headers={
         "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
@@ -66,6 +68,7 @@ def test_a_preflight_from_an_allowed_origin_passes_without_the_key(node):
     assert int(headers["Access-Control-Max-Age"]) > 0
 
 
+@pytest.mark.slow
 def test_answers_to_an_allowed_origin_carry_cors_headers_errors_and_streams_too(node):
     status, headers, _ = request(node, "GET", "/v1/models", headers=AUTH | {"Origin": ORIGIN})
     assert status == 200 and headers["Access-Control-Allow-Origin"] == ORIGIN and "Origin" in headers["Vary"]
@@ -82,6 +85,7 @@ def test_answers_to_an_allowed_origin_carry_cors_headers_errors_and_streams_too(
         conn.close()
 
 
+@pytest.mark.slow
 def test_other_origins_get_no_cors_headers(node):
     status, headers, _ = request(node, "OPTIONS", "/v1/chat/completions", headers={
         "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
@@ -90,6 +94,7 @@ def test_other_origins_get_no_cors_headers(node):
     assert status == 200 and "Access-Control-Allow-Origin" not in headers
 
 
+@pytest.mark.slow
 def test_max_model_len_bounds_prompt_and_answer_and_is_reported(node):
     assert request(node, "GET", "/v1/status", headers=AUTH)[2]["context_length"] == 64
     assert request(node, "GET", "/v1/models", headers=AUTH)[2]["data"][0]["max_model_len"] == 64
@@ -106,6 +111,7 @@ def test_max_model_len_bounds_prompt_and_answer_and_is_reported(node):
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 64, usage
 
 
+@pytest.mark.slow
 def test_the_chat_template_file_replaces_the_models(node, tiny_model):
     from tokenizers import Tokenizer
 
