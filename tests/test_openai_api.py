@@ -16,30 +16,10 @@ import openai
 import pytest
 import torch
 
+from tests.openai_clients import client, head, mesh, model_dir  # noqa: F401 (pytest fixtures)
+
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model):
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def mesh(openai_mesh):
-    """The head answers to "tiny" and "tiny-alias"; the tail, to its folder's name (see ``openai_mesh``)."""
-    return openai_mesh
-
-
-@pytest.fixture(scope="module")
-def head(mesh):
-    return mesh[0]
-
-
-@pytest.fixture(scope="module")
-def client(head):
-    return openai.OpenAI(base_url=head.url + "/v1", api_key="none", _strict_response_validation=True,
-                         max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")

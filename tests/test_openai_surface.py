@@ -18,33 +18,12 @@ import pytest
 import torch
 
 from tests.meshtest import http_json
+from tests.openai_clients import client, head, mesh, model_dir  # noqa: F401 (pytest fixtures)
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 TOLERANCE = 1e-4  # logprobs: the split model in float32 against the whole one
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model):
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def mesh(openai_mesh):
-    """Shared with ``test_openai_api`` (see ``tests.conftest.openai_mesh``): one start for both."""
-    return openai_mesh
-
-
-@pytest.fixture(scope="module")
-def head(mesh):
-    return mesh[0]
-
-
-@pytest.fixture(scope="module")
-def client(head):
-    return openai.OpenAI(base_url=head.url + "/v1", api_key="none", _strict_response_validation=True,
-                         max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
