@@ -8,7 +8,6 @@ index and is checked for what it holds.
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import subprocess
@@ -20,6 +19,7 @@ import pytest
 
 from daemon.api.launch import NODE_PACKAGES
 from tests.meshtest import Daemon
+from tests.test_imports import all_imports, project_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = ("daemon", "meshtui")
@@ -46,55 +46,25 @@ importlib.util.find_spec = (lambda find: lambda name, package=None:
 """
 
 
-def _module_path(name: str) -> Path | None:
-    base = ROOT.joinpath(*name.split("."))
-    for path in (base / "__init__.py", base.with_suffix(".py")):
-        if path.exists():
-            return path
-    return None
-
-
-def _imports(path: Path, package: str) -> set[str]:
-    """Every module ``path`` imports, at the top or inside a function, relative ones resolved."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
-            found.add(base)
-            found |= {f"{base}.{alias.name}" for alias in node.names if _module_path(f"{base}.{alias.name}")}
-    return found
-
-
 def console_imports() -> tuple[set[str], set[str]]:
     """The project modules the console reaches from its own package, and the outside packages they import."""
-    todo = [p for p in (ROOT / "meshtui").rglob("*.py")]
-    seen: set[Path] = set()
-    modules: set[str] = set()
+    modules = project_modules()
+    todo = [name for name in modules if name.partition(".")[0] == "meshtui"]
+    reached: set[str] = set()
     outside: set[str] = set()
     while todo:
-        path = todo.pop()
-        if path in seen:
+        name = todo.pop()
+        if name in reached:
             continue
-        seen.add(path)
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        modules.add(name)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for imported in _imports(path, package):
+        reached.add(name)
+        for imported in all_imports(name, modules[name]):
             top = imported.partition(".")[0]
-            if top in PROJECT:
-                # a package's __init__ runs on the way to any module in it
-                for depth in range(1, imported.count(".") + 2):
-                    if (found := _module_path(".".join(imported.split(".")[:depth]))) is not None:
-                        todo.append(found)
+            if top in PROJECT:  # the module, and each package's __init__ on the way to it (it runs first)
+                parts = imported.split(".")
+                todo += [m for m in (".".join(parts[:depth]) for depth in range(1, len(parts) + 1)) if m in modules]
             elif top and top not in sys.stdlib_module_names and top != "__future__":
                 outside.add(top)
-    return modules, outside
+    return reached, outside
 
 
 def test_the_console_imports_only_the_packages_a_console_only_install_has():

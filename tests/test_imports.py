@@ -47,6 +47,11 @@ def project_modules() -> dict[str, Path]:
 
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     """The project modules ``name`` imports (``from a import b`` counts ``a.b`` when that is a module)."""
+    return {m for m in all_imports(name, path) if m in known and m != name}
+
+
+def all_imports(name: str, path: Path) -> set[str]:
+    """Every module ``name`` imports, relative imports resolved; ``from a import b`` also names ``a.b``."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -59,7 +64,7 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             found.add(base)
             found |= {f"{base}.{alias.name}" for alias in node.names}
-    return {m for m in found if m in known and m != name}
+    return found
 
 
 @pytest.fixture(scope="module")
