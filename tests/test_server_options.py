@@ -103,7 +103,7 @@ def test_max_model_len_bounds_prompt_and_answer_and_is_reported(node):
     assert status == 400 and data["error"]["param"] == "max_tokens"
     status, _, data = request(node, "POST", "/v1/chat/completions", headers=AUTH,
                               body={"messages": [{"role": "user", "content": " ".join(["owl"] * 80)}]})
-    assert status == 400 and "64" in data["error"]["message"]
+    assert status == 400 and "this node's --max-model-len is 64" in data["error"]["message"], data
     status, _, data = request(node, "POST", "/v1/chat/completions", headers=AUTH,
                               body={"messages": PROMPT, "max_tokens": 64, "ignore_eos": True, "temperature": 0})
     assert status == 200
@@ -171,6 +171,8 @@ def pem(tmp_path_factory):
     (["--ssl-certfile", "{d}/cert.pem", "--ssl-keyfile", "{d}/other-key.pem"], {}, ["is not the private key"]),
     (["--ssl-certfile", "{d}/not-pem", "--ssl-keyfile", "{d}/key.pem"], {}, ["--ssl-certfile", "PEM"]),
     (["--ssl-ca-file", "{d}/not-pem"], {}, ["--ssl-ca-file", "PEM"]),
+    (["--ssl-certfile", "{d}/cert.pem", "--ssl-keyfile", "{d}/key.pem", "--public-url", "http://10.0.0.2:8476"], {},
+     ["--public-url http://10.0.0.2:8476", "https://"]),
     ([], {"MESHNET_SSL_CA_FILE": "{d}/absent"}, ["--ssl-ca-file", "cannot read"]),
     ([], {"MESHNET_LOG_LEVEL": "verbose"}, ["MESHNET_LOG_LEVEL"]),
 ])

@@ -173,7 +173,9 @@ class Head:
             prompt_ids = self._prompt_ids(request, tokenizer)
             context = self.context_length
             if len(prompt_ids) >= context:
-                raise BadRequest(f"the prompt is {len(prompt_ids)} tokens; the model's context is {context}",
+                limit = ("this node's --max-model-len is" if context < self.own.context_length
+                         else "the model's context is")
+                raise BadRequest(f"the prompt is {len(prompt_ids)} tokens; {limit} {context}",
                                  param=request.prompt_param)
             asked = request.max_tokens or min(self.settings.max_tokens_default, self.settings.max_tokens_cap)
             max_tokens = min(asked, context - len(prompt_ids))
