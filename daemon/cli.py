@@ -133,6 +133,9 @@ def load_node(argv: list[str]):
 
     if bool(config.ssl_certfile) != bool(config.ssl_keyfile):
         raise Refused("--ssl-certfile and --ssl-keyfile go together: give both, or neither", 2)
+    if config.ssl_certfile and (config.public_url or "").lower().startswith("http://"):
+        raise Refused(f"--public-url {config.public_url}: this node serves HTTPS (--ssl-certfile), so peers and "
+                      "clients must reach it at an https:// address", 2)
     try:  # files are read now: a bad one is refused before the model loads, not on the first request
         tls = NodeTLS(server=server_context(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile else None,
                       client=client_context(config.ssl_ca_file))
