@@ -19,7 +19,7 @@ from daemon.api.launch import NODE_INSTALL, console_only, missing_node_packages
 from daemon.config import SETTINGS, ConfigError, default_config_path, default_threads, is_loopback, load_config
 
 STOP_WAIT_SECONDS = 2.0  # after the grace: how long generations get to reach their next step and end
-GOMP_SPINS = 100_000  # libgomp spins about 100,000 times a millisecond
+GOMP_SPINS = 100_000  # 2.3-2.7 ms of spinning on the 2-core Xeon measured (scripts/spin_count.py); CPUs differ
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -145,10 +145,10 @@ def load_node(argv: list[str]):
     except ModelUnavailable as exc:
         raise Refused(exc.message, 2) from None
     threads = config.threads or default_threads(config)
-    # before torch is imported: OpenMP workers spin about 1 ms after a parallel region, then sleep. A step
-    # runs hundreds of small regions a few microseconds apart: a worker that slept after each one (as with
-    # OMP_WAIT_POLICY=PASSIVE) costs a futex wake-up per region, a fifth of a step's time; one that spun for
-    # libgomp's default 3 ms would keep a core from the co-located daemon computing next.
+    # before torch is imported: OpenMP workers spin a while after a parallel region, then sleep. A step runs
+    # hundreds of small regions a few microseconds apart: a worker that slept after each one (as with
+    # OMP_WAIT_POLICY=PASSIVE) costs a futex wake-up per region, a fifth of a step's time. Shorter spins
+    # (10,000-50,000) measured no better in a co-located mesh (README, Speed).
     os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINS))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
