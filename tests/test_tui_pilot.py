@@ -466,6 +466,7 @@ async def test_a_new_conversation_cancels_the_answer_and_forgets_the_turns(daemo
         assert len(view.query(".prompt")) == 1
 
 
+@pytest.mark.slow  # two real exchanges with the fake head: out of the fast subset
 async def test_the_system_prompt_is_shown_and_sent_first(daemons):
     head = await daemons(0, 30)
     app = MeshApp(ConsoleConfig(), head_url=head.url, poll=False, clock=FrozenClock())

@@ -283,6 +283,7 @@ def test_sessions_evict_confirmation(snap_compare):
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
+@pytest.mark.slow  # seconds of streaming: out of the fast subset, kept under 3 minutes
 def test_throughput_with_data(snap_compare):
     clock = FrozenClock()
     app = console(clock)
@@ -308,6 +309,7 @@ def test_throughput_with_data(snap_compare):
         assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
+@pytest.mark.slow  # seconds of streaming: out of the fast subset, kept under 3 minutes
 def test_chat_mid_stream(snap_compare):
     clock = FrozenClock()
     app = console(clock)
@@ -340,6 +342,7 @@ def test_chat_answered(snap_compare):
         assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
+@pytest.mark.slow  # seconds of streaming: out of the fast subset, kept under 3 minutes
 def test_chat_follow_up_reuses_the_prefix(snap_compare):
     """The second turn starts with the first and its answer, which the nodes kept: the footer says so."""
     clock = FrozenClock()
@@ -401,6 +404,7 @@ def test_chat_system_prompt_dialog(snap_compare):
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
+@pytest.mark.slow  # seconds of streaming: out of the fast subset, kept under 3 minutes
 def test_chat_exported(snap_compare, tmp_path, monkeypatch):
     """A conversation under a system prompt, exported: the notification says where the two files went."""
     monkeypatch.setenv("HOME", str(tmp_path))
