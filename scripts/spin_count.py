@@ -1,7 +1,7 @@
 """How long OpenMP workers should spin between parallel regions when two daemons share the cores.
 
     .venv/bin/python scripts/spin_count.py [--spins 100000 30000 10000] [--rounds 10] [--steps 25]
-                                           [--gap-ms 1.4] [--threads 1] [--env NAME:VAR=VALUE,...]
+                                           [--gap-ms 1.4] [--threads 1]
 
 A single stream through a co-located two-node mesh computes on one node, then on the other. Each
 node's libgomp workers spin ``GOMP_SPINCOUNT`` times after a parallel region before they sleep: long
@@ -99,8 +99,6 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=25, help="decode steps per setup per round")
     p.add_argument("--gap-ms", type=float, default=0.0,
                    help="a pause after each node's part, as a hop between nodes takes (not counted in the step)")
-    p.add_argument("--env", nargs="*", default=[], metavar="NAME:VAR=VALUE,...",
-                   help="more two-process setups, each with these environment variables")
     p.add_argument("--threads", type=int, help="torch threads per process (default: every core)")
     args = p.parse_args()
     if args.threads:
@@ -109,10 +107,6 @@ def main() -> int:
     setups = {"one process": ({}, [(0, MODEL_LAYERS)])}
     for spins in args.spins:
         setups[f"two, {spins} spins"] = ({"GOMP_SPINCOUNT": str(spins)}, [(0, half), (half, MODEL_LAYERS)])
-    for variant in args.env:  # NAME:VAR=VALUE,VAR=VALUE
-        name, _, assignments = variant.partition(":")
-        env = dict(a.split("=", 1) for a in assignments.split(",") if a)
-        setups[name] = (env, [(0, half), (half, MODEL_LAYERS)])
     for spins in args.spins:
         out = subprocess.run([sys.executable, __file__, "--spin-ms"], env=os.environ | {"GOMP_SPINCOUNT": str(spins)},
                              capture_output=True, text=True, check=True).stdout.strip()
