@@ -19,6 +19,7 @@ import torch
 from daemon.api import Sampling
 from daemon.errors import CacheMiss
 from daemon.kvstore import SessionCacheStore
+from daemon.model.batching import SLICED_HEAD_ROWS
 from daemon.model.shard import DecodeStep, ModelShard
 from daemon.model.steps import StepQueue
 from tests.test_architectures import SPLITS, arch_param
@@ -94,6 +95,20 @@ def test_sessions_decoding_together_get_their_own_tokens_within_the_logit_bound(
             worst = max(worst, (batched_logits[step][i] - single).abs().max().item())
     print(f"\nlargest batched-vs-single logit difference, float32: {worst:.2e}")
     assert worst <= LOGIT_BOUND[torch.float32]
+
+
+@pytest.mark.parametrize("rows", [4, 8, 15])
+def test_the_lm_head_over_a_batchs_rows_in_slices_is_each_rows_own_within_the_logit_bound(built_in, rows):
+    # a batch of these sizes takes the sliced LM head on the CPU in float32: each row's logits against that row
+    # through the whole head alone (a slice out of place or out of order is off by the logits themselves)
+    assert rows in SLICED_HEAD_ROWS
+    generator = torch.Generator().manual_seed(rows)
+    hidden = torch.randn(1, rows, built_in.info.hidden_size, generator=generator)
+    together = built_in.logits_rows(hidden)
+    assert together.shape == (rows, built_in.info.vocab_size)
+    for row in range(rows):
+        alone = built_in.logits_rows(hidden[:, row:row + 1])[0]
+        assert (together[row] - alone).abs().max().item() <= LOGIT_BOUND[torch.float32], f"row {row}"
 
 
 def test_a_session_that_misses_leaves_the_rest_of_its_batch_running(built_in):

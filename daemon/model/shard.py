@@ -25,7 +25,7 @@ import torch
 from daemon.api import Sampling
 from daemon.errors import BadRequest, CacheMiss, ModelUnavailable
 from daemon.kvstore import SessionCacheStore
-from daemon.model.batching import SessionBatch, attention_configs, batched_attention, batching_refusal
+from daemon.model.batching import SessionBatch, attention_configs, batched_attention, batching_refusal, head_rows
 from daemon.model.quantize import parameter_bytes, quantize_layers
 from daemon.model.sampling import choose_token
 from daemon.model.tokenizer import ChatTokenizer
@@ -573,7 +573,7 @@ class ModelShard:
     @torch.inference_mode()
     def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on every position of ``hidden [1, B, hidden]``: logits ``[B, vocab]``."""
-        logits = self.model.lm_head(self.model.model.norm(hidden))[0]
+        logits = head_rows(self.model.lm_head, self.model.model.norm(hidden))[0]
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:  # Gemma-family models squash logits in their own forward, in the compute dtype: sampling sees the same
             logits = torch.tanh(logits / cap) * cap
