@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from daemon.bench import check_targets, mesh_row, window_tps
-from daemon.bench.mesh import counter_value
+from daemon.bench import mesh as bench_mesh
+from daemon.bench.mesh import counter_value, paired_sessions
 from daemon.bench.reuse import (
     QUESTIONS,
     USER_TURNS,
@@ -60,6 +61,8 @@ def test_a_quick_run_measures_every_setup_and_writes_json(tiny_model, tmp_path):
             assert row["wire_bytes_per_hop_step"] > row["payload_bytes_per_hop_step"]  # HTTP framing counted
             assert row["setup"] in proc.stdout
     assert [s["sessions"] for s in result["sessions"]] == [1, 2]
+    two = result["sessions"][1]  # after a one-session run of its own: its ratios are that pair's
+    assert two["runs"] == 1 and two["tps_ratio"] == two["paired_tps_ratios"][0] > 0 and two["tokens_match_one"]
     for group in result["sessions"]:
         assert group["aggregate_tps"] > 0 and 0 < group["itl_p50_ms"] <= group["itl_p95_ms"]
         assert group["sessions_agree"] and len(group["mean_batch"]) == 2  # both nodes' steps per forward
@@ -176,6 +179,37 @@ def test_targets_are_checked_against_the_rows():
         "mesh, 2 nodes, cached: overhead per hop per decode step (ms)": True,
         "mesh, 2 nodes, cached: bytes sent per hop per decode step": True,
     }
+
+
+def test_many_sessions_are_measured_against_a_one_session_run_just_before_each(monkeypatch):
+    # a host whose speed halves, thirds... from one pair of runs to the next; one session makes 10 tok/s times
+    # that speed, 4 sessions 25 and 8 sessions 35, times a disturbance of their own per round; p95 latencies grow
+    calls = []
+    disturbed = [1.0, 1.2, 0.9]
+
+    def fake_run(mesh, sessions, tokens):
+        pair = len(calls) // 2
+        speed = 1.0 / (1 + pair)
+        calls.append(sessions)
+        tps = {1: 10.0, 4: 25.0, 8: 35.0}[sessions] * speed * (disturbed[pair // 2] if sessions > 1 else 1.0)
+        p95 = {1: 50.0, 4: 90.0, 8: 150.0}[sessions] / speed
+        return {"sessions": sessions, "aggregate_tps": tps, "itl_p95_ms": p95, "token_ids": [1, 2],
+                "sessions_agree": True, "call": len(calls)}
+
+    monkeypatch.setattr(bench_mesh, "many_sessions", fake_run)
+    one, four, eight = paired_sessions(None, [1, 4, 8], tokens=3, times=3)
+    assert calls == [1, 4, 1, 8] * 3  # each many-session run right after a one-session run
+    assert four["paired_tps_ratios"] == pytest.approx([2.5, 3.0, 2.25])  # the host's slowing cancels in each pair
+    assert four["tps_ratio"] == pytest.approx(2.5) and four["call"] == 2  # the median pair's run is the row
+    assert eight["tps_ratio"] == pytest.approx(3.5) and eight["call"] == 4
+    assert four["p95_ratio"] == pytest.approx(1.8) and eight["p95_ratio"] == pytest.approx(3.0)
+    assert one["runs"] == 6 and one["tps_ratio"] == 1.0
+    assert one["aggregate_tps"] == pytest.approx(10.0 / 4)  # the lower middle of the six one-session runs
+    assert four["runs"] == eight["runs"] == 3 and four["tokens_match_one"] and four["sessions_agree"]
+    groups = [group | {"precision": "float32"} for group in (one, four, eight)]
+    measured = {c["target"]: c["value"] for c in check_targets([], 576, sessions=groups)}
+    assert measured["4 sessions: aggregate tok/s over one session's"] == four["tps_ratio"]
+    assert measured["4 sessions: p95 inter-token latency over one session's"] == four["p95_ratio"]
 
 
 def test_prompts_split_into_what_all_share_and_each_ones_own():

@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import signal
+import statistics
 import tempfile
 import threading
 import time
@@ -242,6 +243,41 @@ def many_sessions(mesh: Mesh, sessions: int, tokens: int) -> dict:
         "sessions_agree": all(s["token_ids"] == results[0]["token_ids"] for s in results),
         "load": os.getloadavg()[0],
     }
+
+
+def paired_sessions(mesh: Mesh, counts: list[int], tokens: int, times: int) -> list[dict]:
+    """One session, then each of ``counts`` beyond one, ``times`` rounds, every many-session run right after a
+    one-session run of its own: its ratios (aggregate tokens/s, p95 inter-token latency) are to that run, which
+    saw the same load of a shared host, and each count's ratios are the median over its pairs
+    (``tps_ratio``, ``p95_ratio``). Each count's row is its run of the median aggregate ratio; the one-session
+    row is the single run of the median aggregate tokens/s."""
+    ones: list[dict] = []
+    pairs: dict[int, list[tuple[dict, dict]]] = {count: [] for count in counts if count > 1}
+    for _ in range(times):
+        if not pairs:
+            ones.append(many_sessions(mesh, 1, tokens))
+        for count, runs in pairs.items():
+            one = many_sessions(mesh, 1, tokens)
+            ones.append(one)
+            runs.append((one, many_sessions(mesh, count, tokens)))
+    rows = [_median_by(ones, lambda one: one["aggregate_tps"]) | {"runs": len(ones), "tps_ratio": 1.0,
+                                                                  "p95_ratio": 1.0}]
+    for runs in pairs.values():
+        gains = [run["aggregate_tps"] / one["aggregate_tps"] for one, run in runs]
+        p95s = [run["itl_p95_ms"] / one["itl_p95_ms"] for one, run in runs if run["itl_p95_ms"] and one["itl_p95_ms"]]
+        chosen = _median_by(list(zip(gains, (run for _, run in runs))), lambda pair: pair[0])[1]
+        rows.append(chosen | {"runs": len(runs), "paired_tps_ratios": gains, "paired_p95_ratios": p95s,
+                              "tps_ratio": statistics.median(gains),
+                              "p95_ratio": statistics.median(p95s) if p95s else None,
+                              "sessions_agree": all(run["sessions_agree"] for _, run in runs),
+                              "tokens_match_one": all(run["token_ids"] == one["token_ids"] for one, run in runs)})
+    return rows
+
+
+def _median_by(items: list[T], key: Callable[[T], float]) -> T:
+    """The item at the median of ``key`` (the lower middle of an even count)."""
+    ordered = sorted(items, key=key)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def counter_value(metrics: str, name: str, **labels: str) -> float:

@@ -6,7 +6,9 @@ each number of new tokens it measures single-process ``transformers`` ``generate
 in that dtype (the limit), a two-node mesh with the KV cache, the same mesh
 stateless (``--no-kv-cache``) and a three-node mesh, then many sessions at once
 on the two-node mesh. Each mesh run follows a run of ``generate`` straight before
-it, and a mesh row's ratio is the median of those pairs' ratios; each mesh row
+it, and a mesh row's ratio is the median of those pairs' ratios; likewise each
+run of many sessions follows a run of one session, its ratios the median of those
+pairs'. Each mesh row
 also has its nodes' peak resident memory next to the weights they hold, and every
 row the host's load average when it ended. Then prompt reuse on two-node meshes of
 their own: a six-turn chat with a long system prompt, each turn's time to first
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from daemon.api.launch import host_cores
 from daemon.bench.floor import loopback_floor
-from daemon.bench.mesh import Mesh, many_sessions
+from daemon.bench.mesh import Mesh, paired_sessions
 from daemon.bench.progress import say
 from daemon.bench.reference import Reference
 from daemon.bench.report import check_targets, machine, print_table, window_tps
@@ -82,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="new tokens at most per answer of the multiturn and shared-prefix setups (default 16)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run each generate and cached row this many times and keep the fastest, against "
-                        "a noisy host; each mesh run is paired with a generate run just before it (the slow "
-                        "stateless rows run once; default 1)")
+                        "a noisy host; each mesh run is paired with a generate run just before it, and each "
+                        "many-session run with a one-session run (the slow stateless rows run once; default 1)")
     parser.add_argument("--json", default="bench-results/bench.json", help="where to write the results")
     args = parser.parse_args(argv)
     if min(args.tokens) < 2:
@@ -212,9 +214,9 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
                 add(name, tokens, measure_mesh(mesh, tokens, 1 if key == "stateless" else args.repeat)
                     | {"nodes": mesh.memory()})
             counts = sorted({1, *args.sessions} - {0}) if any(args.sessions) else []
-            if key == "cached":
-                for count in counts:
-                    sessions.append(many_sessions(mesh, count, args.session_tokens) | {"precision": precision})
+            if key == "cached" and counts:
+                sessions.extend(group | {"precision": precision}
+                                for group in paired_sessions(mesh, counts, args.session_tokens, args.repeat))
         finally:
             mesh.stop()
     for tokens in args.tokens:
