@@ -46,6 +46,11 @@ class GrowingLayer(DynamicLayer):
         self.values = self._value_buffer.narrow(-2, 0, needed)
         return self.keys, self.values
 
+    def held_bytes(self) -> int:
+        """Bytes of its buffers (the keys and values it hands out are views of them)."""
+        keys, values = getattr(self, "_key_buffer", None), getattr(self, "_value_buffer", None)
+        return (keys.nbytes if keys is not None else 0) + (values.nbytes if values is not None else 0)
+
     @staticmethod
     def _grown(old: torch.Tensor, new: torch.Tensor, held: int, capacity: int) -> torch.Tensor:
         buffer = new.new_empty((*new.shape[:-2], capacity, new.shape[-1]))
