@@ -19,6 +19,7 @@ import torch
 from daemon.api import Sampling
 from daemon.errors import CacheMiss
 from daemon.kvstore import SessionCacheStore
+from daemon.model import steps as steps_module
 from daemon.model.batching import SLICED_HEAD_ROWS
 from daemon.model.shard import DecodeStep, ModelShard
 from daemon.model.steps import StepQueue
@@ -240,6 +241,34 @@ def test_steps_arriving_together_at_an_idle_node_start_as_one_batch():
         return thread.batches
 
     assert asyncio.run(scenario()) == [["s0", "s1", "s2", "s3"]]
+
+
+def test_steps_that_keep_arriving_a_little_apart_start_as_one_batch(monkeypatch):
+    # a batch's replies reach the next node one after another: the wait counts from the latest arrival, so 8
+    # sessions' steps 4 windows apart in all still run together; a session that does not come back (it ended)
+    # holds the others one window after the last arrival, not longer
+    monkeypatch.setattr(steps_module, "COALESCE_SECONDS", 0.1)
+    monkeypatch.setattr(steps_module, "COALESCE_WHILE_OTHERS_COMPUTE_SECONDS", 30.0)
+
+    async def scenario():
+        thread = BusyThread()
+        thread.entered.set()  # never busy
+        queue = StepQueue(thread.run_batch, thread.run, max_batch=16)
+        sessions = [f"s{i}" for i in range(8)]
+        await asyncio.gather(*(queue.submit(request(s), None) for s in sessions))  # all seen decoding here
+
+        async def arrive(i: int, session: str):
+            await asyncio.sleep(0.05 * i)
+            return await queue.submit(request(session), None)
+
+        await asyncio.gather(*(arrive(i, s) for i, s in enumerate(sessions)))
+        started = asyncio.get_running_loop().time()
+        await asyncio.gather(*(arrive(i, s) for i, s in enumerate(sessions[:7])))  # s7 ended
+        return thread.batches, asyncio.get_running_loop().time() - started
+
+    batches, waited = asyncio.run(scenario())
+    assert batches == [[f"s{i}" for i in range(8)]] * 2 + [[f"s{i}" for i in range(7)]]
+    assert waited < 0.3 + 0.1 + 0.5  # the last arrival at 0.3 s, one window, room for a slow host
 
 
 def test_a_step_whose_client_left_is_not_run():

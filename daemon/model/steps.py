@@ -14,9 +14,10 @@ what runs next:
   meanwhile (:data:`AGAIN`): running decodes wait one chunk at most, not a prompt.
 
 A step of a lone session arriving at an idle node runs at once. Where several sessions
-decode here, the first of their steps to arrive at an idle node waits a moment
-(``COALESCE_SECONDS``) for the others, so one batch's replies coming back from the
-next node a little apart do not split into smaller batches.
+decode here, the first of their steps to arrive at an idle node waits for the others
+as long as they keep coming (``COALESCE_SECONDS`` after the latest), so one batch's
+replies coming back from the next node one after another do not split into smaller
+batches.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from dataclasses import dataclass, field
 from daemon import wire
 
 ACTIVE_SECONDS = 1.0  # a session whose decode step came here this recently is expected back
-# how long a decode step arriving at an idle node waits for the steps of the other sessions decoding here: the
-# replies of one batch on the next node come back a little apart, and would otherwise split into small batches
+# how long a decode step arriving at an idle node waits for the steps of the other sessions decoding here, counted
+# from the latest arrival: the replies of one batch on the next node come back one after another (on the head, each
+# through its generation loop: about 0.5 ms a session), and would otherwise split into small batches
 COALESCE_SECONDS = 0.002
 # ... and while another daemon on this host computes (the other steps are likely there): the cores are busy
 # anyway, so waiting costs nothing, and the sessions merge into one batch instead of two half-size ones
@@ -133,25 +135,30 @@ class StepQueue:
 
     async def _gather(self) -> None:
         """From idle, before the first batch: where other sessions decode here too, wait for their steps to
-        arrive, ``COALESCE_SECONDS`` at most, or longer while another daemon on this host computes. A lone
+        arrive while they keep coming, until ``COALESCE_SECONDS`` pass without one, or longer while another
+        daemon on this host computes (``COALESCE_WHILE_OTHERS_COMPUTE_SECONDS`` from the first at most). A lone
         session's step starts at once."""
         if self.max_batch <= 1 or not self._waiting or not self._waiting[0].batchable:
             return
         expected = min(self.active_sessions(), self.max_batch)
         loop = asyncio.get_running_loop()
-        started = loop.time()
-        while len(self._waiting) < expected:
-            waited = loop.time() - started
-            limit = COALESCE_SECONDS
-            if waited >= limit and self._others_computing is not None and self._others_computing():
-                limit = COALESCE_WHILE_OTHERS_COMPUTE_SECONDS
-            if waited >= limit:
+        started = last = loop.time()
+        arrived = len(self._waiting)
+        while arrived < expected:
+            now = loop.time()
+            if now - started >= COALESCE_WHILE_OTHERS_COMPUTE_SECONDS:
+                return
+            quiet = now - last
+            if quiet >= COALESCE_SECONDS and not (self._others_computing is not None and self._others_computing()):
                 return
             self._arrived.clear()
             try:  # woken by each arrival; re-checks whether others still compute every COALESCE_SECONDS
-                await asyncio.wait_for(self._arrived.wait(), min(limit - waited, COALESCE_SECONDS))
+                await asyncio.wait_for(self._arrived.wait(),
+                                       COALESCE_SECONDS - quiet if quiet < COALESCE_SECONDS else COALESCE_SECONDS)
             except TimeoutError:
                 pass
+            if len(self._waiting) > arrived:  # the steps of one batch's replies come in one after another
+                arrived, last = len(self._waiting), loop.time()
 
     def _next(self) -> list[Job]:
         """The steps to run next: the oldest, with the decode steps it can batch with."""
