@@ -297,14 +297,15 @@ def bare_first_frame() -> float:
 
 
 def test_connect_paints_its_first_frame_quickly_and_sigterm_restores_the_terminal(tmp_path):
-    bare = bare_first_frame()  # measured side by side: the bound follows the host's speed
-    tries: list[float] = []
-    for attempt in range(2):  # a shared host stalls a process now and then: the better of two starts counts
+    ratios: list[float] = []
+    for attempt in range(3):  # a shared host stalls a process now and then: the best of three pairs counts
+        bare = bare_first_frame()  # right before each start, so the bound follows the host's speed at that moment
         terminal = Terminal("--connect", "http://127.0.0.1:9", "--config", str(tmp_path / "meshtui.toml"))
         try:
-            tries.append(terminal.first_frame())
-            print(f"meshtui --connect: first frame after {tries[-1]:.2f} s; a bare Textual app's after {bare:.2f} s")
-            if tries[-1] >= 3 * bare and attempt == 0:
+            first = terminal.first_frame()
+            ratios.append(first / bare)
+            print(f"meshtui --connect: first frame after {first:.2f} s; a bare Textual app's after {bare:.2f} s")
+            if ratios[-1] >= 3 and attempt < 2:
                 continue
             assert b"\x1b[?1049h" in terminal.output  # the app took the alternate screen
             assert terminal.stop(signal.SIGTERM) == 128 + signal.SIGTERM
@@ -312,7 +313,7 @@ def test_connect_paints_its_first_frame_quickly_and_sigterm_restores_the_termina
             break
         finally:
             terminal.close()
-    assert min(tries) < 3 * bare  # about 0.7 s to 0.35 s on a 2-core machine (scripts/first_frame.py)
+    assert min(ratios) < 3  # about 0.7 s to 0.35 s on a 2-core machine (scripts/first_frame.py)
 
 
 def _children(pid: int) -> list[int]:
