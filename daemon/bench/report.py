@@ -102,7 +102,7 @@ def check_targets(rows: list[dict], hidden_size: int, *, multiturn: Sequence[dic
         by_count = {g["sessions"]: g for g in sessions if g["precision"] == precision}
         one = by_count.get(1)
         for count, group in by_count.items() if one else ():
-            gain, p95 = session_ratios(group, one)
+            gain, p95 = group["tps_ratio"], group["p95_ratio"]  # medians of its pairs (bench.mesh.paired_sessions)
             if count in TARGET_SESSIONS_TPS:
                 check(f"{count} sessions: aggregate tok/s over one session's", gain, TARGET_SESSIONS_TPS[count],
                       at_least=True)
@@ -115,15 +115,6 @@ def check_targets(rows: list[dict], hidden_size: int, *, multiturn: Sequence[dic
             check(f"shared prefix, {group['clients']} clients: prompt tokens computed / (system prompt + own)",
                   group["computed_ratio"], TARGET_SHARED_COMPUTED, at_least=False)
     return checks
-
-
-def session_ratios(group: dict, one: dict) -> tuple[float, float | None]:
-    """A many-session group's aggregate tokens/s and p95 inter-token latency over one session's: the medians of
-    its paired runs' ratios where it has them, else against the one-session row."""
-    if "tps_ratio" in group:
-        return group["tps_ratio"], group["p95_ratio"]
-    p95 = group["itl_p95_ms"] / one["itl_p95_ms"] if group["itl_p95_ms"] and one["itl_p95_ms"] else None
-    return group["aggregate_tps"] / one["aggregate_tps"], p95
 
 
 def _fmt(value, spec: str, width: int) -> str:
@@ -158,7 +149,7 @@ def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floo
         ones = {s.get("precision"): s for s in sessions if s["sessions"] == 1}
         for s in sessions:
             one = ones.get(s.get("precision"))
-            gain, p95 = session_ratios(s, one) if one else (None, None)
+            gain, p95 = s["tps_ratio"], s["p95_ratio"]
             same = s["sessions_agree"] and s.get("tokens_match_one", True) and (
                 one is None or s["token_ids"] == one["token_ids"])
             batch = "/".join(_fmt(b, ".2f", 1) for b in s["mean_batch"])
