@@ -129,6 +129,36 @@ def test_a_session_that_misses_leaves_the_rest_of_its_batch_running(built_in):
         assert entry.past_len == len(PROMPTS[i]) + 1
 
 
+def test_sessions_starting_from_held_prefixes_batch_with_running_ones_and_get_their_own_tokens(built_in):
+    # concurrent clients of one prompt begin with one step each from the prompt the node already holds: copies
+    # of one prefix, a prefix taken over, and a prefix that is gone, batched with a session already decoding
+    shard = built_in
+    held, running = PROMPTS[2], PROMPTS[0]
+    for source in ("held", "held-taken"):
+        shard.step(shard.embed(held), mode="prefill", session_id=source, past_len=0, start_layer=0, sampling=GREEDY)
+    first = shard.step(shard.embed(running), mode="prefill", session_id="running", past_len=0, start_layer=0,
+                       sampling=GREEDY).token_id
+    keep = len(held) - 1  # the prompt's last token is computed again: its logits give the first token
+    alone = shard.step(shard.embed(held[-1:]), mode="decode", session_id="alone", past_len=keep, start_layer=0,
+                       sampling=GREEDY, prefix="held").token_id
+    running_alone = shard.step(shard.embed([first]), mode="decode", session_id="running-alone", past_len=len(running),
+                               start_layer=0, sampling=GREEDY, prefix="running").token_id
+    last = shard.embed(held[-1:])
+    batch = [DecodeStep(last, "copy0", keep, GREEDY, prefix="held"),
+             DecodeStep(shard.embed([first]), "running", len(running), GREEDY),
+             DecodeStep(last, "copy1", keep, GREEDY, prefix="held"),
+             DecodeStep(last, "taken", keep, GREEDY, prefix="held-taken", take_prefix=True),
+             DecodeStep(last, "orphan", keep, GREEDY, prefix="never-held")]
+    outcomes = shard.step_batch(batch, start_layer=0)
+    assert isinstance(outcomes[4], CacheMiss) and outcomes[4].reason == "prefix_unavailable"
+    assert [o.token_id for o in outcomes[:4]] == [alone, running_alone, alone, alone]
+    for session, past in [("copy0", keep + 1), ("copy1", keep + 1), ("taken", keep + 1),
+                          ("running", len(running) + 1), ("held", len(held))]:
+        assert shard.sessions.checkout(session, past_len=past, start_layer=0).past_len == past
+    with pytest.raises(CacheMiss):  # moved to "taken", not copied
+        shard.sessions.checkout("held-taken", past_len=len(held), start_layer=0)
+
+
 def test_a_batch_that_fails_drops_its_sessions_so_their_next_steps_miss(built_in, monkeypatch):
     shard = built_in
     for i, p in enumerate(PROMPTS[:2]):
@@ -217,9 +247,11 @@ def test_decode_steps_waiting_together_run_as_one_batch_and_other_steps_alone_in
         request("c"),
         request("x", tokens=3),  # a prompt extending a session: alone
         request("d", start_layer=5),  # another start layer: a batch of its own
-        request("e", prefix="s0"),  # starts from another session's prefix: alone
+        request("e", prefix="s0"),  # a session's first step from a held prefix: batches too
+        request("f", prefix="a"),  # starts from a session the batch steps: not in that batch
+        request("g", prefix="s0"),  # copies the prefix e copies: batches with it
     ]))
-    assert batches == [["first"], ["a", "b", "c"], ["p"], ["x"], ["d"], ["e"]]
+    assert batches == [["first"], ["a", "b", "c", "e", "g"], ["p"], ["x"], ["d"], ["f"]]
 
 
 def test_the_batch_size_is_capped():

@@ -54,17 +54,23 @@ def batch_counts(daemon) -> tuple[float, float]:
 @pytest.mark.parametrize("max_batch", [16, 1])
 def test_streams_at_once_batch_on_both_nodes_and_each_gets_generates_tokens(max_batch, default_model,
                                                                             reference_tokens, tmp_path):
-    extra = ["--max-batch", str(max_batch)]
+    extra = ["--max-batch", str(max_batch), "--kv-max-sessions", "16"]  # room for both rounds' sessions
     mesh = start_mesh(default_model, [("0-14", extra), ("15-29", extra)], log_dir=tmp_path)
     try:
-        results = streams_at_once(mesh[0], PROMPTS)
-        for prompt, body in zip(PROMPTS, results):
-            assert "error" not in body, body
-            want = reference_tokens([{"role": "user", "content": prompt}], TOKENS, True)
-            assert body["meshnet"]["token_ids"] == want, prompt
+        # the second round's prompts are held: each stream begins with one step from its prompt's cache (the
+        # first steps batch too) rather than a prefill
+        for round in range(2):
+            results = streams_at_once(mesh[0], PROMPTS)
+            for prompt, body in zip(PROMPTS, results):
+                assert "error" not in body, body
+                want = reference_tokens([{"role": "user", "content": prompt}], TOKENS, True)
+                assert body["meshnet"]["token_ids"] == want, (round, prompt)
+                usage = body["usage"]
+                if round == 1:  # all but the last prompt token came from the cache
+                    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1, usage
         for node in mesh:
             forwards, steps = batch_counts(node)
-            assert steps >= len(PROMPTS) * TOKENS  # every step of every stream ran on both nodes
+            assert steps >= 2 * len(PROMPTS) * TOKENS  # every step of every stream ran on both nodes
             if max_batch == 1:
                 assert forwards == steps, (node.layers, forwards, steps)
             else:  # six streams at once: most steps shared a forward with another stream's

@@ -244,7 +244,7 @@ class ShardService:
             r = job.request
             try:
                 steps.append(DecodeStep(self._hidden(r, job.token_ids), r.session_id, r.past_len,
-                                        Sampling(**r.sampling), r.history))
+                                        Sampling(**r.sampling), r.history, r.prefix, r.take_prefix))
                 rows.append(i)
             except Exception as exc:  # noqa: BLE001 - that step's own error
                 outcomes[i] = exc

@@ -89,6 +89,8 @@ class DecodeStep:
     past_len: int
     sampling: Sampling
     history: History | None = None  # the tokens so far, for a penalty
+    prefix: str | None = None  # a session's first step: its cache is first made from this session's
+    take_prefix: bool = False  # ... taken over rather than copied (see ``ModelShard.step``)
 
 
 @dataclass
@@ -510,7 +512,8 @@ class ModelShard:
         for i, step in enumerate(steps):
             try:
                 ready.append((i, self._session_cache(step.session_id, past_len=step.past_len,
-                                                     start_layer=start_layer)))
+                                                     start_layer=start_layer, prefix=step.prefix,
+                                                     take_prefix=step.take_prefix)))
             except (CacheMiss, BadRequest) as exc:
                 outcomes[i] = exc
         if len(ready) == 1:  # the others missed: a single step, exactly as one arriving alone runs

@@ -52,8 +52,10 @@ class Job:
 
     @property
     def batchable(self) -> bool:
+        """A one-position decode step: of a running session, or the first of one starting from a held prefix (the
+        last token of a prompt the node already holds, which is how concurrent clients of one prompt begin)."""
         r = self.request
-        return r.mode == "decode" and r.prefix is None and r.activation.shape[1] == 1
+        return r.mode == "decode" and r.activation.shape[1] == 1
 
 
 AGAIN = object()  # an outcome: the job ran a part of itself (a long prompt's chunk) and queues again for the rest
@@ -168,15 +170,20 @@ class StepQueue:
         if not first.batchable or self.max_batch <= 1:
             return [first]
         batch, rest = [first], deque()
-        sessions = {first.request.session_id}
+        sessions, prefixes = {first.request.session_id}, {first.request.prefix} - {None}
         while self._waiting and len(batch) < self.max_batch:
             job = self._waiting.popleft()
             r = job.request
             if job.future.done():
                 continue
-            if job.batchable and r.start_layer == first.request.start_layer and r.session_id not in sessions:
+            # a batch makes its sessions from their prefixes before it runs: none may start from a session the
+            # batch steps (or be one another starts from); several may copy one prefix
+            if (job.batchable and r.start_layer == first.request.start_layer
+                    and r.session_id not in sessions | prefixes and r.prefix not in sessions):
                 batch.append(job)
                 sessions.add(r.session_id)
+                if r.prefix is not None:
+                    prefixes.add(r.prefix)
             else:
                 rest.append(job)
         rest.extend(self._waiting)
