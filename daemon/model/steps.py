@@ -179,7 +179,7 @@ class StepQueue:
             # a batch makes its sessions from their prefixes before it runs: none may start from a session the
             # batch steps (or be one another starts from); several may copy one prefix
             if (job.batchable and r.start_layer == first.request.start_layer
-                    and r.session_id not in sessions | prefixes and r.prefix not in sessions):
+                    and r.session_id not in sessions and r.session_id not in prefixes and r.prefix not in sessions):
                 batch.append(job)
                 sessions.add(r.session_id)
                 if r.prefix is not None:
