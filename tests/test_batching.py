@@ -20,7 +20,7 @@ from daemon.api import Sampling
 from daemon.errors import CacheMiss
 from daemon.kvstore import SessionCacheStore
 from daemon.model import steps as steps_module
-from daemon.model.batching import SLICED_HEAD_ROWS
+from daemon.model.batching import BATCHING_LAYER_TYPES, SLICED_HEAD_ROWS
 from daemon.model.shard import DecodeStep, ModelShard
 from daemon.model.steps import StepQueue
 from tests.test_architectures import SPLITS, arch_param
@@ -172,12 +172,10 @@ def test_a_batch_that_fails_drops_its_sessions_so_their_next_steps_miss(built_in
             shard.sessions.checkout(f"f{i}", past_len=len(p), start_layer=0)
 
 
-BATCHING_LAYER_TYPES = {"full_attention"}
-
-
 @pytest.mark.parametrize("arch", [arch_param(arch, id=arch) for arch in SPLITS])
 def test_the_architecture_matrix_batches_exactly_or_says_why_not(arch, tiny_model):
-    """Every tiny architecture either batches with each session's own tokens, or is refused by its layer types."""
+    """Every tiny architecture either batches (full-attention and sliding-window layers) with each session's own
+    tokens and logits, or is refused by its layer types (linear attention)."""
     torch.set_num_threads(2)
     shard = ModelShard(tiny_model(arch), 0, 4, kv_cache=True, sessions=store())
     types = set(shard.layer_types)
@@ -187,11 +185,14 @@ def test_the_architecture_matrix_batches_exactly_or_says_why_not(arch, tiny_mode
             assert other in shard.batch_refusal
         return
     assert shard.batch_refusal is None, shard.batch_refusal
-    steps = 10
-    together, _ = run_together(shard, PROMPTS, steps)
+    steps = 10  # the tiny sliding layers' window is 4: every session's steps pass it, the 3-token prompt's at once
+    together, batched_logits = run_together(shard, PROMPTS, steps)
     for i, prompt in enumerate(PROMPTS):
-        alone, _ = run_alone(shard, prompt, steps, f"alone{i}")
+        alone, logits = run_alone(shard, prompt, steps, f"alone{i}")
         assert together[i] == alone, f"{arch} session {i}"
+        for step, single in enumerate(logits):  # a wrong window or rotary is off by the logits themselves
+            scale = single.abs().max().item()
+            assert (batched_logits[step][i] - single).abs().max().item() <= 1e-4 * scale, f"{arch} {i} {step}"
 
 
 def test_a_stateless_node_never_batches(default_model):

@@ -19,9 +19,16 @@ Each session's cache stays the ordinary one its single steps use, so sessions jo
 and leave a batch at any step with no copy, and a cache miss affects only its own
 session. Rotary embeddings are applied per row from each row's own position.
 
-Full-attention layers only: a sliding window would need a mask per row and a
-recurrent state is updated in place by the layer itself, so a shard with other
-layer types runs its sessions one at a time (:func:`batching_refusal`).
+Full-attention and sliding-window layers batch. A one-position step needs no mask
+in either: a full layer's query sees every cached position, and a sliding layer's
+cache hands back at most the window's positions (``DynamicSlidingWindowLayer``
+keeps the last ``window - 1`` and appends the new one), which is exactly what
+that query may see. Each row's attention runs the function the model's single
+steps run (SDPA, or the model's own eager attention where it needs one: logit
+soft-capping, attention sinks). A linear-attention or recurrent layer updates a
+state of one sequence in place and reads the positions of its input as one
+sequence in time, so a shard with such layers runs its sessions one at a time
+(:func:`batching_refusal`).
 
 Exactness: rows of a batched matrix product are not bitwise those of single-row
 products (kernel blocking differs with the row count), so a batched step's logits
@@ -33,11 +40,13 @@ alone.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Sequence
 
 import torch
 
 BATCH_ATTENTION = "meshnet_sessions"
+BATCHING_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 
 class SessionBatch:
@@ -60,16 +69,16 @@ class SessionBatch:
 def session_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, *, session_kv: Sequence | None = None,
                       **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention of row ``i`` of ``query [1, heads, B, dim]`` over session ``i``'s keys and values, each as a
-    single step's SDPA runs it. Returns ``[1, B, heads, dim]`` as transformers' attention functions do."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    """Attention of row ``i`` of ``query [1, heads, B, dim]`` over session ``i``'s keys and values, each through
+    the attention function a single step of this layer runs. Returns ``[1, B, heads, dim]`` as transformers'
+    attention functions do."""
     if session_kv is None:
         raise RuntimeError("batched attention without the sessions' keys and values")
     # latent attention (DeepSeek-V3, GLM-4.5) caches compressed latents and expands them after the update
     expand = getattr(module, "expand_kv", None)
     held = [expand(*kv) if expand else kv for kv in session_kv]
-    if _plain_decode(module, held, kwargs):
+    attend = _single_step_attention(module)
+    if attend is None and _plain_decode(module, held, kwargs):
         # what sdpa_attention_forward calls for a one-position query with no mask, without its per-call checks:
         # the same kernel with the same arguments, so each row's numbers are a single step's
         gqa = {"enable_gqa": True} if getattr(module, "num_key_value_groups", 1) > 1 else {}
@@ -78,12 +87,34 @@ def session_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                     row, keys, values, attn_mask=None, dropout_p=dropout, scale=scale, is_causal=False, **gqa)
                 for row, (keys, values) in zip(query.split(1, dim=2), held)]
         return torch.cat(rows, dim=2).transpose(1, 2).contiguous(), None
-    rows = [sdpa_attention_forward(module, row, keys, values, None, **kwargs)[0]
+    if attend is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as attend
+    rows = [attend(module, row, keys, values, None, **kwargs)[0]
             for row, (keys, values) in zip(query.split(1, dim=2), held)]
     return torch.cat(rows, dim=1), None
 
 
-_PLAIN_KWARGS = {"dropout", "scaling", "position_ids", "cache", "use_cache", "cache_position"}
+_SINGLE_STEP: dict[int, str] = {}  # id(config) -> its attention implementation, inside batched_attention
+
+
+def _single_step_attention(module: torch.nn.Module):
+    """The attention function this layer's single steps run; None for SDPA. A model on eager attention (logit
+    soft-capping in Gemma 2, attention sinks in gpt-oss) runs the eager function of its own modeling file."""
+    implementation = _SINGLE_STEP.get(id(module.config), "sdpa")
+    if implementation == "sdpa":
+        return None
+    if implementation == "eager":
+        attend = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if attend is None:
+            raise RuntimeError(f"{type(module).__name__} runs eager attention of its own: it cannot batch")
+        return attend
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+# ``sliding_window`` changes nothing for a one-position query: the sliding cache hands back the window only
+_PLAIN_KWARGS = {"dropout", "scaling", "position_ids", "cache", "use_cache", "cache_position", "sliding_window"}
 
 
 def _plain_decode(module: torch.nn.Module, held: Sequence, kwargs: dict) -> bool:
@@ -136,20 +167,23 @@ def batched_attention(configs: Sequence) -> Iterator[None]:
     time on its torch thread, so switching it around a batched forward touches no other step."""
     before = [config._attn_implementation for config in configs]
     try:
-        for config in configs:
+        for config, implementation in zip(configs, before):
+            _SINGLE_STEP[id(config)] = implementation
             config._attn_implementation = BATCH_ATTENTION
         yield
     finally:
         for config, implementation in zip(configs, before):
             config._attn_implementation = implementation
+            _SINGLE_STEP.pop(id(config), None)
 
 
 def batching_refusal(layer_types: Sequence[str], *, caches: bool) -> str | None:
     """Why a shard with these hosted layer types cannot batch sessions' steps; None when it can."""
     if not caches:
         return "the node keeps no session caches (stateless): every step carries its whole sequence"
-    others = sorted(set(layer_types) - {"full_attention"})
+    others = sorted(set(layer_types) - BATCHING_LAYER_TYPES)
     if others:
-        return (f"its layers include {', '.join(others)}: batched steps run full-attention layers only "
-                "(a sliding window needs a mask per row, a recurrent state is updated in place by its layer)")
+        return (f"its layers include {', '.join(others)}: batched steps run full-attention and sliding-window "
+                "layers only (a linear-attention or recurrent layer updates one sequence's state in place and "
+                "reads its input's positions as one sequence in time)")
     return None

@@ -564,14 +564,19 @@ class ModelShard:
     def run_batch(self, hidden: torch.Tensor, *, start_layer: int, position_ids: torch.Tensor,
                   caches: Sequence) -> torch.Tensor:
         """Layers ``[start_layer, end)`` over ``hidden [1, B, hidden]``: row ``i`` is one new position of the
-        session whose cache is ``caches[i]``, at ``position_ids[0, i]``. Full-attention layers only."""
-        layers = [self._layers[i] for i in range(start_layer, self.end)]
-        position_embeddings = self._rotary(hidden, position_ids, {"full_attention"})["full_attention"]
+        session whose cache is ``caches[i]``, at ``position_ids[0, i]``. Full-attention and sliding-window layers:
+        a one-position query needs no mask in either (:mod:`daemon.model.batching`)."""
+        hosted = range(start_layer, self.end)
+        types = self.layer_types
+        position_embeddings = self._rotary(hidden, position_ids, {types[i] for i in hosted})
         batch = SessionBatch(caches)
+        layers = self._layers
+        shared_kv = {"shared_kv_states": {}} if self._layers_share_kv else {}  # as in run_layers (Gemma 4)
         with batched_attention(self._attention_configs):
-            for layer in layers:
-                hidden = layer(hidden, attention_mask=None, position_ids=position_ids,
-                               position_embeddings=position_embeddings, cache=batch, use_cache=True)
+            for i in hosted:
+                hidden = layers[i](hidden, attention_mask=None, position_ids=position_ids,
+                                   position_embeddings=position_embeddings[types[i]], cache=batch, use_cache=True,
+                                   **shared_kv)
         return hidden
 
     @torch.inference_mode()
