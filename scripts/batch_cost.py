@@ -2,8 +2,9 @@
 
     .venv/bin/python scripts/batch_cost.py [--sessions 4] [--rounds 20] [--window 64]
 
-Runs the built-in model, and a random-weight model of the same size whose every layer has a sliding window
-(Mistral's layout, ``--window`` positions) beside it, each as one shard of all its layers on this process's
+Runs the built-in model, and two random-weight models of the same size beside it: one whose every layer has a
+sliding window (Mistral's layout, ``--window`` positions), one with three gated delta net (linear attention)
+layers to each full-attention one (Qwen3.5's layout); each as one shard of all its layers on this process's
 torch thread. Sessions of different prompt lengths (some past the window) are prefilled, then each round
 times their decode steps alone, one after another, and as one batch (``ModelShard.step_batch``), in turns.
 Prints per model the median of each and the ratio: how many times the throughput of single steps a batch gives.
@@ -38,6 +39,29 @@ def sliding_twin(built_in: Path, window: int, dest: Path) -> Path:
         max_position_embeddings=base.max_position_embeddings, rms_norm_eps=base.rms_norm_eps,
         rope_theta=base.rope_parameters["rope_theta"], tie_word_embeddings=base.tie_word_embeddings,
         sliding_window=window, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(dest)
+    for name in TOKENIZER_FILES:
+        if (built_in / name).exists():
+            shutil.copy(built_in / name, dest / name)
+    return dest
+
+
+def hybrid_twin(built_in: Path, dest: Path) -> Path:
+    """A random-weight Qwen3.5-layout text model with the built-in model's sizes and tokenizer: three gated delta
+    net (linear attention) layers to one full-attention layer."""
+    import torch
+    import transformers
+
+    base = transformers.AutoConfig.from_pretrained(built_in)
+    heads = base.num_attention_heads
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=base.vocab_size, hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
+        num_hidden_layers=base.num_hidden_layers, num_attention_heads=heads,
+        num_key_value_heads=base.num_key_value_heads, head_dim=base.hidden_size // heads,
+        linear_num_key_heads=base.num_key_value_heads, linear_num_value_heads=heads, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=base.max_position_embeddings,
+        tie_word_embeddings=base.tie_word_embeddings, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(dest)
     for name in TOKENIZER_FILES:
@@ -113,16 +137,17 @@ def main() -> int:
     built_in = resolve_model(None)
     with tempfile.TemporaryDirectory() as tmp:
         models = {"built-in (full attention)": built_in,
-                  f"same size, sliding window {args.window}": sliding_twin(built_in, args.window, Path(tmp))}
+                  f"same size, sliding window {args.window}": sliding_twin(built_in, args.window, Path(tmp) / "w"),
+                  "same size, Qwen3.5 hybrid": hybrid_twin(built_in, Path(tmp) / "h")}
         print(f"{args.sessions} sessions, prompts {', '.join(str(40 + 30 * i) for i in range(args.sessions))} "
               f"tokens, {args.rounds} rounds, {args.threads} threads, load {os.getloadavg()[0]:.2f}")
-        print(f"{'model':34} {'layers':28} {'alone ms':>9} {'batch ms':>9} {'gain':>6}  same tokens")
+        print(f"{'model':34} {'layers':34} {'alone ms':>9} {'batch ms':>9} {'gain':>6}  same tokens")
         for name, folder in models.items():
             row = measure(folder, args.sessions, args.rounds)
             if row["refusal"]:
                 print(f"{name:34} refused: {row['refusal']}")
                 continue
-            print(f"{name:34} {', '.join(row['types']):28} {row['alone_ms']:9.1f} {row['batch_ms']:9.1f} "
+            print(f"{name:34} {', '.join(row['types']):34} {row['alone_ms']:9.1f} {row['batch_ms']:9.1f} "
                   f"{row['gain']:5.2f}x  {'yes' if row['same'] else 'NO'}")
     return 0
 

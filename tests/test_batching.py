@@ -20,7 +20,7 @@ from daemon.api import Sampling
 from daemon.errors import CacheMiss
 from daemon.kvstore import SessionCacheStore
 from daemon.model import steps as steps_module
-from daemon.model.batching import BATCHING_LAYER_TYPES, SLICED_HEAD_ROWS
+from daemon.model.batching import BATCHING_LAYER_TYPES, SLICED_HEAD_ROWS, batching_refusal
 from daemon.model.shard import DecodeStep, ModelShard
 from daemon.model.steps import StepQueue
 from tests.test_architectures import SPLITS, arch_param
@@ -174,8 +174,8 @@ def test_a_batch_that_fails_drops_its_sessions_so_their_next_steps_miss(built_in
 
 @pytest.mark.parametrize("arch", [arch_param(arch, id=arch) for arch in SPLITS])
 def test_the_architecture_matrix_batches_exactly_or_says_why_not(arch, tiny_model):
-    """Every tiny architecture either batches (full-attention and sliding-window layers) with each session's own
-    tokens and logits, or is refused by its layer types (linear attention)."""
+    """Every tiny architecture batches (full-attention, sliding-window and linear-attention layers) with each
+    session's own tokens and logits, or is refused by its layer types."""
     torch.set_num_threads(2)
     shard = ModelShard(tiny_model(arch), 0, 4, kv_cache=True, sessions=store())
     types = set(shard.layer_types)
@@ -193,6 +193,13 @@ def test_the_architecture_matrix_batches_exactly_or_says_why_not(arch, tiny_mode
         for step, single in enumerate(logits):  # a wrong window or rotary is off by the logits themselves
             scale = single.abs().max().item()
             assert (batched_logits[step][i] - single).abs().max().item() <= 1e-4 * scale, f"{arch} {i} {step}"
+
+
+def test_layer_types_that_batch_and_those_refused_by_name():
+    assert batching_refusal(["linear_attention", "full_attention", "sliding_attention"], caches=True) is None
+    refusal = batching_refusal(["full_attention", "mamba", "conv"], caches=True)
+    assert refusal is not None and "conv, mamba" in refusal
+    assert "stateless" in batching_refusal(["full_attention"], caches=False)
 
 
 def test_a_stateless_node_never_batches(default_model):

@@ -79,3 +79,27 @@ def test_streams_at_once_batch_on_both_nodes_and_each_gets_generates_tokens(max_
     finally:
         for d in mesh:
             d.stop()
+
+
+# a hybrid (gated delta nets and full attention), windowed attention with per-type RoPE, and windowed attention
+# with sinks on eager attention: every layer kind that batches, on both nodes of a mesh
+@pytest.mark.parametrize("arch,split", [("qwen3_5", 2), ("gemma3_text", 2), ("gpt_oss", 1)])
+def test_tiny_architectures_batch_through_a_mesh_and_each_stream_keeps_its_lone_tokens(arch, split, tiny_model,
+                                                                                      tmp_path):
+    extra = ["--max-batch", "16", "--kv-max-sessions", "16"]
+    mesh = start_mesh(tiny_model(arch), [(f"0-{split - 1}", extra), (f"{split}-3", extra)], log_dir=tmp_path)
+    try:
+        alone = [streams_at_once(mesh[0], [prompt])[0] for prompt in PROMPTS]
+        before = [batch_counts(node) for node in mesh]
+        together = streams_at_once(mesh[0], PROMPTS)
+        for prompt, lone, body in zip(PROMPTS, alone, together):
+            assert "error" not in lone and "error" not in body, (lone, body)
+            assert body["meshnet"]["token_ids"] == lone["meshnet"]["token_ids"], (arch, prompt)
+        for node, (forwards0, steps0) in zip(mesh, before):
+            forwards, steps = (after - first for after, first in zip(batch_counts(node), (forwards0, steps0)))
+            assert steps >= len(PROMPTS) * TOKENS
+            assert steps / forwards >= 1.5, (arch, node.layers, forwards, steps)  # they ran in shared forwards
+            assert "unhandled error" not in node.log()
+    finally:
+        for d in mesh:
+            d.stop()

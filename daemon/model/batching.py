@@ -19,16 +19,18 @@ Each session's cache stays the ordinary one its single steps use, so sessions jo
 and leave a batch at any step with no copy, and a cache miss affects only its own
 session. Rotary embeddings are applied per row from each row's own position.
 
-Full-attention and sliding-window layers batch. A one-position step needs no mask
-in either: a full layer's query sees every cached position, and a sliding layer's
-cache hands back at most the window's positions (``DynamicSlidingWindowLayer``
-keeps the last ``window - 1`` and appends the new one), which is exactly what
-that query may see. Each row's attention runs the function the model's single
-steps run (SDPA, or the model's own eager attention where it needs one: logit
-soft-capping, attention sinks). A linear-attention or recurrent layer updates a
-state of one sequence in place and reads the positions of its input as one
-sequence in time, so a shard with such layers runs its sessions one at a time
-(:func:`batching_refusal`).
+Full-attention, sliding-window and linear-attention layers batch. A one-position
+step needs no mask in an attention layer: a full layer's query sees every cached
+position, and a sliding layer's cache hands back at most the window's positions
+(``DynamicSlidingWindowLayer`` keeps the last ``window - 1`` and appends the new
+one), which is exactly what that query may see. Each row's attention runs the
+function the model's single steps run (SDPA, or the model's own eager attention
+where it needs one: logit soft-capping, attention sinks). A linear-attention layer
+(a gated delta net: a convolution and a recurrent state per sequence) reads the
+positions of its input as one sequence in time, so it gets the batch as B
+sequences of one position, with the sessions' states stacked (:class:`SessionBatch`).
+Other recurrent layer types (Mamba, short convolutions) run their sessions one at
+a time (:func:`batching_refusal`).
 
 Exactness: rows of a batched matrix product are not bitwise those of single-row
 products (kernel blocking differs with the row count), so a batched step's logits
@@ -46,14 +48,64 @@ from collections.abc import Iterator, Sequence
 import torch
 
 BATCH_ATTENTION = "meshnet_sessions"
-BATCHING_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# layer types a batched forward runs; linear attention over ``[B, 1, hidden]``, the others over ``[1, B, hidden]``
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention"})
+BATCHING_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"}) | RECURRENT_LAYER_TYPES
 
 
 class SessionBatch:
-    """The cache a batched forward passes its layers: row ``i`` of each update belongs to ``caches[i]``."""
+    """The cache a batched forward passes its layers: row ``i`` of each update belongs to ``caches[i]``.
+
+    Attention layers see the batch as one sequence ``[1, B, hidden]`` and hand it their new keys and values
+    (:meth:`update`). A linear-attention layer sees it as B sequences of one position ``[B, 1, hidden]`` and
+    reads and writes its convolution and recurrent states through the methods below: the sessions' states
+    stacked along the batch axis (one copy in), and each row's new state copied back into its own session's
+    cache, so the sessions' caches stay the ordinary single-sequence ones."""
 
     def __init__(self, caches: Sequence) -> None:
         self.caches = caches
+        self._conv: dict[tuple[int, int], torch.Tensor] = {}  # states a layer may update in place, until stored
+
+    # -- linear attention: transformers' Cache methods a gated-delta-net layer calls in a one-position step --
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return any(cache.is_recording_past(layer_idx) for cache in self.caches)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return all(cache.has_previous_state(layer_idx, state_idx) for cache in self.caches)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        stacked = self._stacked([cache.get_conv_state(layer_idx, state_idx) for cache in self.caches])
+        if stacked is not None:  # the layer's one-position step updates it in place: stored back after the layer
+            self._conv[layer_idx, state_idx] = stacked
+        return stacked
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._stacked([cache.get_recurrent_state(layer_idx, state_idx) for cache in self.caches])
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        for cache, row in zip(self.caches, recurrent_states.split(1)):
+            cache.update_recurrent_state(row, layer_idx, state_idx, **kwargs)
+        return recurrent_states
+
+    def update_conv_state(self, *args, **kwargs):
+        raise RuntimeError("a batched step runs one position per session: no convolution window to rebuild")
+
+    def store_states(self) -> None:
+        """After a linear-attention layer: each session's row of the convolution states it updated in place."""
+        for (layer_idx, state_idx), stacked in self._conv.items():
+            for cache, row in zip(self.caches, stacked.split(1)):
+                cache.layers[layer_idx].conv_states[state_idx].copy_(row)
+        self._conv.clear()
+
+    @staticmethod
+    def _stacked(states: list[torch.Tensor | None]) -> torch.Tensor | None:
+        if all(state is None for state in states):
+            return None
+        if any(state is None for state in states):
+            raise RuntimeError("sessions of a batch differ in whether a linear layer holds state")
+        return torch.cat(states)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
                kwargs: dict | None = None, **more) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +235,6 @@ def batching_refusal(layer_types: Sequence[str], *, caches: bool) -> str | None:
         return "the node keeps no session caches (stateless): every step carries its whole sequence"
     others = sorted(set(layer_types) - BATCHING_LAYER_TYPES)
     if others:
-        return (f"its layers include {', '.join(others)}: batched steps run full-attention and sliding-window "
-                "layers only (a linear-attention or recurrent layer updates one sequence's state in place and "
-                "reads its input's positions as one sequence in time)")
+        return (f"its layers include {', '.join(others)}: batched steps run full-attention, sliding-window and "
+                "linear-attention layers only")
     return None

@@ -25,7 +25,14 @@ import torch
 from daemon.api import Sampling
 from daemon.errors import BadRequest, CacheMiss, ModelUnavailable
 from daemon.kvstore import SessionCacheStore
-from daemon.model.batching import SessionBatch, attention_configs, batched_attention, batching_refusal, head_rows
+from daemon.model.batching import (
+    RECURRENT_LAYER_TYPES,
+    SessionBatch,
+    attention_configs,
+    batched_attention,
+    batching_refusal,
+    head_rows,
+)
 from daemon.model.kvcache import GrowingLayer
 from daemon.model.quantize import parameter_bytes, quantize_layers
 from daemon.model.sampling import choose_token
@@ -564,8 +571,9 @@ class ModelShard:
     def run_batch(self, hidden: torch.Tensor, *, start_layer: int, position_ids: torch.Tensor,
                   caches: Sequence) -> torch.Tensor:
         """Layers ``[start_layer, end)`` over ``hidden [1, B, hidden]``: row ``i`` is one new position of the
-        session whose cache is ``caches[i]``, at ``position_ids[0, i]``. Full-attention and sliding-window layers:
-        a one-position query needs no mask in either (:mod:`daemon.model.batching`)."""
+        session whose cache is ``caches[i]``, at ``position_ids[0, i]``: full-attention and sliding-window layers
+        over the batch as one sequence with no mask, linear-attention layers over it as B sequences of one position
+        (:mod:`daemon.model.batching`)."""
         hosted = range(start_layer, self.end)
         types = self.layer_types
         position_embeddings = self._rotary(hidden, position_ids, {types[i] for i in hosted})
@@ -574,9 +582,14 @@ class ModelShard:
         shared_kv = {"shared_kv_states": {}} if self._layers_share_kv else {}  # as in run_layers (Gemma 4)
         with batched_attention(self._attention_configs):
             for i in hosted:
-                hidden = layers[i](hidden, attention_mask=None, position_ids=position_ids,
-                                   position_embeddings=position_embeddings[types[i]], cache=batch, use_cache=True,
-                                   **shared_kv)
+                recurrent = types[i] in RECURRENT_LAYER_TYPES  # B sequences of one position: [B, 1, hidden]
+                out = layers[i](hidden.transpose(0, 1) if recurrent else hidden, attention_mask=None,
+                                position_ids=position_ids, position_embeddings=position_embeddings[types[i]],
+                                cache=batch, use_cache=True, **shared_kv)
+                if recurrent:
+                    batch.store_states()
+                    out = out.transpose(0, 1)
+                hidden = out
         return hidden
 
     @torch.inference_mode()
