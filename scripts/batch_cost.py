@@ -70,7 +70,7 @@ def hybrid_twin(built_in: Path, dest: Path) -> Path:
     return dest
 
 
-def measure(folder: Path, sessions: int, rounds: int) -> dict:
+def measure(folder: Path, sessions: int, rounds: int, dtype: str, quantize: str | None) -> dict:
     import torch
 
     from daemon.api import Sampling
@@ -78,7 +78,8 @@ def measure(folder: Path, sessions: int, rounds: int) -> dict:
     from daemon.model.shard import DecodeStep, ModelShard
 
     greedy = Sampling()  # greedy
-    shard = ModelShard(folder, 0, _layers(folder), sessions=SessionCacheStore(max_sessions=4 * sessions))
+    shard = ModelShard(folder, 0, _layers(folder), sessions=SessionCacheStore(max_sessions=4 * sessions),
+                       dtype=getattr(torch, dtype), quantize=quantize)
     generator = torch.Generator().manual_seed(0)
     lengths = [40 + 30 * i for i in range(sessions)]
     prompts = [torch.randint(3, 40000, (n,), generator=generator).tolist() for n in lengths]
@@ -128,6 +129,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantize", choices=["int8"], help="the layers' weights in int8 (bfloat16 compute)")
     args = parser.parse_args()
     import torch
 
@@ -140,10 +143,10 @@ def main() -> int:
                   f"same size, sliding window {args.window}": sliding_twin(built_in, args.window, Path(tmp) / "w"),
                   "same size, Qwen3.5 hybrid": hybrid_twin(built_in, Path(tmp) / "h")}
         print(f"{args.sessions} sessions, prompts {', '.join(str(40 + 30 * i) for i in range(args.sessions))} "
-              f"tokens, {args.rounds} rounds, {args.threads} threads, load {os.getloadavg()[0]:.2f}")
+              f"tokens, {args.rounds} rounds, {args.dtype}{' int8' if args.quantize else ''}, {args.threads} threads, load {os.getloadavg()[0]:.2f}")
         print(f"{'model':34} {'layers':34} {'alone ms':>9} {'batch ms':>9} {'gain':>6}  same tokens")
         for name, folder in models.items():
-            row = measure(folder, args.sessions, args.rounds)
+            row = measure(folder, args.sessions, args.rounds, args.dtype, args.quantize)
             if row["refusal"]:
                 print(f"{name:34} refused: {row['refusal']}")
                 continue
