@@ -26,9 +26,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
+def _saved(config, built_in: Path, dest: Path) -> Path:
+    """A random-weight model of ``config`` saved in ``dest`` with the built-in model's tokenizer."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(dest)
+    for name in TOKENIZER_FILES:
+        if (built_in / name).exists():
+            shutil.copy(built_in / name, dest / name)
+    return dest
+
+
 def sliding_twin(built_in: Path, window: int, dest: Path) -> Path:
     """A random-weight Mistral-layout model with the built-in model's sizes and tokenizer, every layer windowed."""
-    import torch
     import transformers
 
     base = transformers.AutoConfig.from_pretrained(built_in)
@@ -39,18 +51,12 @@ def sliding_twin(built_in: Path, window: int, dest: Path) -> Path:
         max_position_embeddings=base.max_position_embeddings, rms_norm_eps=base.rms_norm_eps,
         rope_theta=base.rope_parameters["rope_theta"], tie_word_embeddings=base.tie_word_embeddings,
         sliding_window=window, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(dest)
-    for name in TOKENIZER_FILES:
-        if (built_in / name).exists():
-            shutil.copy(built_in / name, dest / name)
-    return dest
+    return _saved(config, built_in, dest)
 
 
 def hybrid_twin(built_in: Path, dest: Path) -> Path:
     """A random-weight Qwen3.5-layout text model with the built-in model's sizes and tokenizer: three gated delta
     net (linear attention) layers to one full-attention layer."""
-    import torch
     import transformers
 
     base = transformers.AutoConfig.from_pretrained(built_in)
@@ -62,12 +68,7 @@ def hybrid_twin(built_in: Path, dest: Path) -> Path:
         linear_num_key_heads=base.num_key_value_heads, linear_num_value_heads=heads, linear_key_head_dim=64,
         linear_value_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=base.max_position_embeddings,
         tie_word_embeddings=base.tie_word_embeddings, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(dest)
-    for name in TOKENIZER_FILES:
-        if (built_in / name).exists():
-            shutil.copy(built_in / name, dest / name)
-    return dest
+    return _saved(config, built_in, dest)
 
 
 def measure(folder: Path, sessions: int, rounds: int, dtype: str, quantize: str | None) -> dict:
@@ -142,8 +143,9 @@ def main() -> int:
         models = {"built-in (full attention)": built_in,
                   f"same size, sliding window {args.window}": sliding_twin(built_in, args.window, Path(tmp) / "w"),
                   "same size, Qwen3.5 hybrid": hybrid_twin(built_in, Path(tmp) / "h")}
+        precision = args.dtype + (" int8" if args.quantize else "")
         print(f"{args.sessions} sessions, prompts {', '.join(str(40 + 30 * i) for i in range(args.sessions))} "
-              f"tokens, {args.rounds} rounds, {args.dtype}{' int8' if args.quantize else ''}, {args.threads} threads, load {os.getloadavg()[0]:.2f}")
+              f"tokens, {args.rounds} rounds, {precision}, {args.threads} threads, load {os.getloadavg()[0]:.2f}")
         print(f"{'model':34} {'layers':34} {'alone ms':>9} {'batch ms':>9} {'gain':>6}  same tokens")
         for name, folder in models.items():
             row = measure(folder, args.sessions, args.rounds, args.dtype, args.quantize)
