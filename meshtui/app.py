@@ -76,7 +76,7 @@ class MeshApp(App[None]):
         self.poll = poll
         self.clock = clock
         self.client = DaemonClient(token=token)
-        self.state = MeshState(starting=local_mesh is not None)
+        self.state = MeshState(starting=local_mesh is not None, system_prompt=config.system_prompt or "")
         if head_url:
             self.state.set_head(normalize_url(head_url))
         for url in [*peer_urls, *config.peers]:
@@ -312,6 +312,8 @@ class MeshApp(App[None]):
 
     def on_system_prompt_changed(self, message: SystemPromptChanged) -> None:
         self.state.system_prompt = message.text
+        self.config.system_prompt = message.text or None  # kept for the next start
+        self._save_config()
         self.main.chat_view.show_system_prompt()
         self.say("System prompt set: it goes first in the next request." if message.text else
                  "System prompt cleared.")

@@ -9,6 +9,7 @@
     head_port = 7070
     token = "..."                       # the mesh token, when the nodes need one (MESHNET_API_KEY or
                                         # MESHNET_TOKEN wins)
+    system_prompt = "You are terse."    # the chat's system prompt (Ctrl+T), kept for the next start
 
     [keys]                              # binding id -> key(s), shown in the footer
     "chat.cancel" = "escape"
@@ -74,6 +75,7 @@ class ConsoleConfig:
     token: str | None = field(default=None, repr=False)  # from the file; mesh_token() is the one used
     keys: dict[str, str] = field(default_factory=dict)
     chat: ChatSettings = field(default_factory=ChatSettings)
+    system_prompt: str | None = None
     path: Path | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -86,7 +88,8 @@ class ConsoleConfig:
             data = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, OSError) as exc:
             raise ConsoleConfigError(f"{path}: {exc}") from None
-        known = {"peers", "theme", "poll_seconds", "local_layers", "head_port", "token", "keys", "chat"}
+        known = {"peers", "theme", "poll_seconds", "local_layers", "head_port", "token", "keys", "chat",
+                 "system_prompt"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConsoleConfigError(f"{path}: unknown keys {unknown}; known keys are {sorted(known)}")
@@ -99,6 +102,8 @@ class ConsoleConfig:
             raise ConsoleConfigError(f"{path}: peers must be a list of URLs")
         if not isinstance(config.keys, dict) or not all(isinstance(v, str) for v in config.keys.values()):
             raise ConsoleConfigError(f"{path}: [keys] maps binding ids to key names")
+        if config.system_prompt is not None and not isinstance(config.system_prompt, str):
+            raise ConsoleConfigError(f"{path}: system_prompt must be a string")
         if config.token is not None and not (isinstance(config.token, str) and TOKEN_PATTERN.fullmatch(config.token)):
             raise ConsoleConfigError(f"{path}: token must be {TOKEN_RULE}")
         return config

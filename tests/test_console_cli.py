@@ -56,6 +56,7 @@ def test_version_and_python_dash_m():
     ("peers = 3\n", "peers must be a list"),
     ("colour = 'red'\n", "unknown keys"),
     ("token = 'short'\n", "token must be 16-256 printable ASCII characters"),
+    ("system_prompt = 3\n", "system_prompt must be a string"),
 ])
 def test_a_bad_config_file_is_one_line_and_exit_2(tmp_path, text, expected):
     path = tmp_path / "meshtui.toml"

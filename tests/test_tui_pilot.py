@@ -491,6 +491,27 @@ async def test_the_system_prompt_is_shown_and_sent_first(daemons):
         assert app.state.system_prompt == "" and not view.system.display
 
 
+async def test_the_system_prompt_is_kept_in_the_config_for_the_next_start(daemons, tmp_path):
+    head = await daemons(0, 30)
+    config = ConsoleConfig(path=tmp_path / "meshtui.toml")
+    app = MeshApp(config, head_url=head.url, poll=False, clock=FrozenClock())
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f5", "ctrl+t")
+        await pilot.press(*"Answer in French.", "ctrl+s")
+        assert ConsoleConfig.load(config.path).system_prompt == "Answer in French."
+    again = MeshApp(ConsoleConfig.load(config.path), head_url=head.url, poll=False, clock=FrozenClock())
+    async with again.run_test(size=SIZE) as pilot:
+        await pilot.press("f5")
+        view = again.main.chat_view
+        assert again.state.system_prompt == "Answer in French."
+        assert view.system.display and text_of(view.system) == "system  Answer in French."
+        await pilot.press("ctrl+t")
+        await pilot.click("#clear")
+        await pilot.click("#save")
+        assert again.state.system_prompt == "" and not view.system.display
+    assert ConsoleConfig.load(config.path).system_prompt is None
+
+
 async def test_export_writes_the_conversation_as_markdown_and_json(daemons, tmp_path):
     head = await daemons(0, 30, stats={"failovers": 0})
     app = MeshApp(ConsoleConfig(), head_url=head.url, poll=False, clock=FrozenClock(), export_dir=tmp_path)
