@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from textual.command import CommandList
+from textual.command import CommandList, CommandPalette
 from textual.pilot import Pilot
 from textual.selection import Selection
-from textual.widgets import Input, Markdown, Static, TabbedContent, TextArea
+from textual.widgets import Footer, Input, Markdown, Static, TabbedContent, TextArea
 from textual.worker import WorkerState
 
 from meshtui.app import MeshApp
@@ -137,9 +137,11 @@ async def test_escape_cancels_a_streaming_answer(daemons):
                          "three tokens")
         (worker,) = [w for w in app.workers if w.group == "chat"]
         assert "answering #1" in text_of(app.main.chat_view.query_one("#chat-status"))
+        assert app.screen.active_bindings["escape"].binding.id == "chat.cancel"  # in the footer while it streams
         await pilot.press("escape")
         record = app.state.generations[0]
         await wait_until(pilot, lambda: record.finished, "the cancellation")
+        assert app.screen.active_bindings["escape"].binding.id == "chat.leave"  # and out of it again
         assert record.outcome == "cancelled"
         assert worker.state == WorkerState.CANCELLED
         assert text_of(app.main.chat_view.query(".answer-stats").last()) == "cancelled after 3 tokens"
@@ -373,6 +375,18 @@ async def test_a_tab_clicked_at_once_shows_its_view_with_the_focus():
         await wait_until(pilot, lambda: app.screen.focused is app.main.sessions_view.sessions, "the table's focus")
 
 
+async def test_a_narrow_terminal_drops_the_palette_hint_so_the_chat_keys_fit():
+    app = MeshApp(ConsoleConfig(), head_url=HEAD, poll=False, clock=FrozenClock())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("f5")
+        footer = app.main.query_one(Footer)
+        assert not footer.show_command_palette
+        await pilot.resize_terminal(120, 30)
+        await wait_until(pilot, lambda: footer.show_command_palette, "the hint back on a wide terminal")
+        await pilot.press("ctrl+p")  # the palette itself opens at any width
+        assert isinstance(app.screen, CommandPalette)
+
+
 async def test_keys_remapped_in_the_config_work_and_show():
     config = ConsoleConfig(keys={"view.sessions": "ctrl+g,s", "session.evict": "x"})
     app = MeshApp(config, head_url=HEAD, poll=False, clock=FrozenClock())
@@ -410,8 +424,9 @@ async def test_views_help_and_peers_answer_their_keys_while_the_prompt_has_the_f
         await wait_until(pilot, lambda: app.screen.focused is prompt, "the prompt's focus")
         # the footer offers the keys that work here: F-keys and Ctrl keys, never a letter the prompt takes
         shown = {key for key, active in app.screen.active_bindings.items() if active.binding.show}
-        assert {"f1", "f2", "f3", "f4", "f5", "ctrl+n", "ctrl+t", "ctrl+s", "ctrl+o", "escape"} <= shown
+        assert {"f1", "f2", "f3", "f4", "f5", "ctrl+n", "ctrl+t", "ctrl+s", "ctrl+o"} <= shown
         assert not any(len(key) == 1 for key in shown)
+        assert "escape" not in shown  # nothing streams: Escape leaves the prompt, and the footer keeps its room
         await pilot.press("f1")
         assert isinstance(app.screen, HelpScreen)
         rows = {row.binding_id: (row.where, row.keys) for row in app.main.binding_help()}

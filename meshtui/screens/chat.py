@@ -33,7 +33,10 @@ class ChatView(Vertical):
 
     # Ctrl keys, not letters: they work while the prompt has the focus (Input keeps ctrl+a/e/d/k/u/w/x/c/v)
     BINDINGS = [
+        # Escape cancels while an answer streams (the footer shows it only then), else leaves the prompt
         Binding("escape", "cancel", "Cancel", id="chat.cancel", tooltip="Cancel the answer being streamed"),
+        Binding("escape", "leave_prompt", "Leave prompt", id="chat.leave", show=False,
+                tooltip="Leave the prompt, so the single-letter keys work"),
         Binding("ctrl+n", "new_conversation", "New chat", id="chat.new"),
         Binding("ctrl+t", "system_prompt", "System", id="chat.system", tooltip="System prompt"),
         Binding("ctrl+s", "settings", "Sampling", id="chat.settings"),
@@ -86,6 +89,7 @@ class ChatView(Vertical):
         from meshtui.screens.answer import Answer  # Markdown and its parser load with the first answer
 
         self._streaming = record
+        self.refresh_bindings()  # Escape cancels now
         answer = self._answers[record.number] = Answer()
         await self.conversation.mount_all([Static(Text(record.prompt), classes="prompt"), answer])
         answer.start()
@@ -103,6 +107,7 @@ class ChatView(Vertical):
             await answer.finish(record)
         if self._streaming is record:
             self._streaming = None
+            self.refresh_bindings()
         if answer is not None:  # else an answer of a conversation cleared since: nothing of it is shown
             self._last = record
         self._show_status()
@@ -111,6 +116,7 @@ class ChatView(Vertical):
         """A new conversation: every turn off the pane, the hint back."""
         self._answers = {}
         self._streaming = self._last = None
+        self.refresh_bindings()
         await self.conversation.query_children().exclude("#chat-hint").remove()
         self._show_status()
 
@@ -150,12 +156,19 @@ class ChatView(Vertical):
         status.append(f"reused {cached} of {plural(prompt, 'prompt token')}", style="green" if cached else "")
         status.append(" · ", style="dim")
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "cancel":
+            return self.streaming
+        if action == "leave_prompt":
+            return not self.streaming
+        return True
+
     def action_cancel(self) -> None:
-        if self.streaming:
-            self.post_message(CancelRequested())
-        else:
-            # nothing to cancel: leave the prompt so the single-letter shortcuts (1-4, a, r, ?) work again
-            self.conversation.focus()
+        self.post_message(CancelRequested())
+
+    def action_leave_prompt(self) -> None:
+        # nothing to cancel: leave the prompt so the single-letter shortcuts (1-4, a, r, ?) work again
+        self.conversation.focus()
 
     def action_settings(self) -> None:
         def save(settings: ChatSettings | None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from textual import events
 from textual.actions import parse as parse_action
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -32,6 +33,7 @@ from meshtui.state import MeshState
 
 VIEWS = {"mesh": "Mesh", "sessions": "Sessions", "throughput": "Throughput", "chat": "Chat"}
 VIEW_KEYS = Binding.Group("Views")
+PALETTE_HINT_WIDTH = 96  # columns
 
 
 class MainScreen(Screen):
@@ -78,6 +80,10 @@ class MainScreen(Screen):
             for view_id in self._later_views:
                 yield TabPane(VIEWS[view_id], id=view_id)  # empty until mount_views
         yield Footer()
+
+    def on_resize(self, event: events.Resize) -> None:
+        # below this width the command palette's hint would push the chat's keys off the footer (^p still works)
+        self.query_one(Footer).show_command_palette = event.size.width >= PALETTE_HINT_WIDTH
 
     def on_mount(self) -> None:
         self._mesh_ready = True
