@@ -75,6 +75,11 @@ def text_of(widget: Static) -> str:
     return str(widget.render())
 
 
+def saving_app(head_url: str, tmp_path: Path) -> MeshApp:
+    """A console on ``head_url`` whose config is a file in ``tmp_path``: what it saves can be read back."""
+    return MeshApp(ConsoleConfig(path=tmp_path / "meshtui.toml"), head_url=head_url, poll=False, clock=FrozenClock())
+
+
 async def ask(pilot: Pilot, prompt: str) -> None:
     app: MeshApp = pilot.app
     if app.query_one(TabbedContent).active != "chat":
@@ -176,8 +181,8 @@ async def test_evict_asks_first_then_evicts_on_the_right_node(daemons):
 
 async def test_add_and_remove_a_peer_write_the_config_and_tell_the_head(daemons, tmp_path):
     head = await daemons(0, 30)
-    config = ConsoleConfig(path=tmp_path / "meshtui.toml")
-    app = MeshApp(config, head_url=head.url, poll=False, clock=FrozenClock())
+    app = saving_app(head.url, tmp_path)
+    config = app.config
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("a")
         assert isinstance(app.screen, PeerScreen)
@@ -198,8 +203,8 @@ async def test_add_and_remove_a_peer_write_the_config_and_tell_the_head(daemons,
 
 async def test_sampling_settings_are_saved_and_used(daemons, tmp_path):
     head = await daemons(0, 30)
-    config = ConsoleConfig(path=tmp_path / "meshtui.toml")
-    app = MeshApp(config, head_url=head.url, poll=False, clock=FrozenClock())
+    app = saving_app(head.url, tmp_path)
+    config = app.config
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("4", "ctrl+s")
         assert isinstance(app.screen, ChatSettingsScreen)
@@ -508,13 +513,13 @@ async def test_the_system_prompt_is_shown_and_sent_first(daemons):
 
 async def test_the_system_prompt_is_kept_in_the_config_for_the_next_start(daemons, tmp_path):
     head = await daemons(0, 30)
-    config = ConsoleConfig(path=tmp_path / "meshtui.toml")
-    app = MeshApp(config, head_url=head.url, poll=False, clock=FrozenClock())
+    app = saving_app(head.url, tmp_path)
+    saved = app.config.path
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("f5", "ctrl+t")
         await pilot.press(*"Answer in French.", "ctrl+s")
-        assert ConsoleConfig.load(config.path).system_prompt == "Answer in French."
-    again = MeshApp(ConsoleConfig.load(config.path), head_url=head.url, poll=False, clock=FrozenClock())
+        assert ConsoleConfig.load(saved).system_prompt == "Answer in French."
+    again = MeshApp(ConsoleConfig.load(saved), head_url=head.url, poll=False, clock=FrozenClock())
     async with again.run_test(size=SIZE) as pilot:
         await pilot.press("f5")
         view = again.main.chat_view
@@ -524,7 +529,7 @@ async def test_the_system_prompt_is_kept_in_the_config_for_the_next_start(daemon
         await pilot.click("#clear")
         await pilot.click("#save")
         assert again.state.system_prompt == "" and not view.system.display
-    assert ConsoleConfig.load(config.path).system_prompt is None
+    assert ConsoleConfig.load(saved).system_prompt is None
 
 
 async def test_export_writes_the_conversation_as_markdown_and_json(daemons, tmp_path):
