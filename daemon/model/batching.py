@@ -71,9 +71,6 @@ class SessionBatch:
     def is_recording_past(self, layer_idx: int) -> bool:
         return any(cache.is_recording_past(layer_idx) for cache in self.caches)
 
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        return all(cache.has_previous_state(layer_idx, state_idx) for cache in self.caches)
-
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         stacked = self._stacked([cache.get_conv_state(layer_idx, state_idx) for cache in self.caches])
         if stacked is not None:  # the layer's one-position step updates it in place: stored back after the layer
