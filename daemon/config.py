@@ -196,6 +196,10 @@ class NodeConfig:
     max_batch: int = setting(
         16, flag="--max-batch", metavar="N", help="most sessions whose decode steps run as one forward on this "
         "node (default 16); 1 runs every step alone, exactly as a single session computes it", check=at_least(1))
+    tune_kernels: str = setting(
+        "on", flag="--tune-kernels", choices=("on", "off"), help="at load, time each weight shape's memory layout "
+        "and matrix kernels on this CPU and keep the fastest, remembered per machine (default on); off: "
+        "transformers' own products, bit for bit")
     step_tokens: int = setting(
         512, flag="--step-tokens", metavar="N", help="token budget of one step on this node (default 512): a "
         "longer prompt runs in chunks of N, and the sessions decoding here take their steps between them",

@@ -75,7 +75,7 @@ class Node:
                                     share_cores=config.threads is None, dtype=config.dtype, device=config.device,
                                     quantize=config.quantize, on_step=metrics.step_done,
                                     max_batch=config.max_batch, step_tokens=config.step_tokens,
-                                    on_batch=metrics.batch_done)
+                                    on_batch=metrics.batch_done, tune_kernels=config.tune_kernels == "on")
         service.chat_template = chat_template
         return cls(config, service, metrics, tls=tls)
 

@@ -110,6 +110,7 @@ OPTION_CASES = [
     (["--max-generations", "4"], "max_generations", 4),
     (["--max-batch", "1"], "max_batch", 1),
     (["--step-tokens", "64"], "step_tokens", 64),
+    (["--tune-kernels", "off"], "tune_kernels", "off"),
     (["--shutdown-grace", "0"], "shutdown_grace_seconds", 0.0),
     (["--log-format", "json"], "log_format", "json"),
     (["--api-key", "k" * 16], "api_key", "k" * 16),

@@ -77,10 +77,12 @@ class ShardService:
     def load(cls, folder: Path, start: int, end: int, *, store: SessionCacheStore, kv_cache: bool, threads: int,
              share_cores: bool, dtype: str = "float32", device: str = "cpu", quantize: str | None = None,
              on_step: StepObserver | None = None, max_batch: int = 1, step_tokens: int = 512,
-             on_batch: Callable[[int, list[float]], None] | None = None) -> ShardService:
+             on_batch: Callable[[int, list[float]], None] | None = None, tune_kernels: bool = False) -> ShardService:
         """Load layers ``[start, end)`` of the model in ``folder`` (blocking), in ``dtype`` on ``device``
         (``--dtype`` and ``--device`` values: ``auto`` resolves against this machine and the checkpoint), its
-        layers' weights quantized with ``quantize`` if given (checked before any weight is read)."""
+        layers' weights quantized with ``quantize`` if given (checked before any weight is read), and with
+        ``tune_kernels`` its weights laid out and multiplied as they measure fastest here
+        (:mod:`daemon.model.kernels`)."""
         where = resolve_device(device)
         compute = resolve_dtype(dtype, where, checkpoint_dtype(folder))
         if quantize:
@@ -88,8 +90,16 @@ class ShardService:
 
         def load() -> ModelShard:
             torch.set_num_threads(threads)
-            return ModelShard(folder, start, end, head=start == 0, kv_cache=kv_cache, sessions=store,
-                              dtype=compute, device=where, quantize=quantize)
+            shard = ModelShard(folder, start, end, head=start == 0, kv_cache=kv_cache, sessions=store,
+                               dtype=compute, device=where, quantize=quantize)
+            if tune_kernels:
+                from daemon.model.kernels import default_store
+
+                started = time.perf_counter()
+                shard.plan_kernels(max_rows=max_batch if shard.batch_refusal is None else 1, store=default_store(),
+                                   progress=log.info)
+                log.debug("kernel plans took %.2f s", time.perf_counter() - started)
+            return shard
 
         executor = torch_thread()
         try:  # loading runs torch too: on the thread every step will run on, see torch_thread

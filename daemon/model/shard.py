@@ -372,6 +372,19 @@ class ModelShard:
             totals[name] = parameter_bytes(modules, seen)  # quantized weights: their int8 data and scales
         return totals
 
+    def plan_kernels(self, *, max_rows: int, store=None, progress=None) -> dict:
+        """Lay out this node's float weights and choose their products' kernels by timing them on this CPU
+        (:mod:`daemon.model.kernels`), for batches of up to ``max_rows`` rows: the decoder layers it hosts and, on
+        the tail, the LM head. A no-op off the CPU. Returns the plans by weight shape."""
+        from daemon.model.kernels import plan_linears
+
+        if self.device.type != "cpu":
+            return {}
+        modules = [m for i in range(self.start, self.end) for m in self._layers[i].modules()]
+        if self.is_tail:
+            modules.append(self.model.lm_head)
+        return plan_linears(modules, max_rows=max_rows, store=store, progress=progress)
+
     # ---- running ---------------------------------------------------------------------------
 
     @torch.inference_mode()

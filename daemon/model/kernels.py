@@ -1,0 +1,328 @@
+"""Each weight matrix's memory layout, and each product's kernel, measured on this CPU when a node loads.
+
+A decode step multiplies one row (a batch of sessions: a few rows) by every weight matrix of the
+node's layers, and reads every weight once to do it. ``nn.Linear`` keeps a weight as ``[out, in]``,
+one output's weights after another; the BLAS then computes each output as a dot product. The same
+values can be kept transposed in memory, ``[in, out]``, with the parameter a ``[out, in]`` view of
+them, so every caller (tied embeddings included) sees the same tensor; the BLAS then streams the
+matrix input by input. Which is faster depends on the CPU, the BLAS and the shape, and so does
+which library multiplies a few rows best, MKL (``F.linear``) or oneDNN (``mkldnn._linear_pointwise``,
+which takes the same plain weights). On a 2-core AMD EPYC (Zen 4) with torch 2.13's MKL, one
+thread (``scripts/kernel_plans.py`` prints the table for the host it runs on):
+
+=========================  ==========  ===========  ================
+one row by                 [out, in]   [in, out]    4 rows, best
+=========================  ==========  ===========  ================
+1536x576 (gate, up)        0.43 ms     0.25 ms      0.34 ms (oneDNN)
+49152x576 (LM head)        9.9 ms      5.0 ms       10.2 ms (oneDNN)
+576x1536 (down)            0.24 ms     0.28 ms      0.34 ms (MKL)
+=========================  ==========  ===========  ================
+
+MKL's four-row products there took 1.5-1.6x oneDNN's. So a node times both layouts and both
+kernels per weight shape, on a sample of its own weights large enough to stream from memory, at
+one row and at the batch sizes it runs (:data:`ROWS`), keeps the layout whose best times add up
+least, and runs each product with the kernel measured fastest for its row count
+(:class:`PlannedLinear`). Longer products (prompts) run ``F.linear`` in either layout.
+
+What a plan changes in the arithmetic: the order in which each output's sum is accumulated, so
+logits move by float rounding (about 1e-6 of their scale in float32). Tokens on the test prompts
+stay those of transformers' ``generate`` (``tests/test_kernels.py``); ``--tune-kernels off`` keeps
+transformers' own products, bit for bit. Plans are remembered per CPU, torch version, thread count,
+dtype and shape in ``kernel-plans.json`` beside the model cache, so a node decides once per machine
+and computes the same way on every start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import json
+import logging
+import mmap
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ROWS = (1, 4, 8)  # the row counts a plan is measured at; a product of r rows takes the kernel of the nearest
+SAMPLE_BYTES = 64 << 20  # weights timed per shape and layout: past a CPU's caches, streamed from memory as a step does
+ROUNDS = 4  # interleaved timing rounds per candidate: the first sets kernels up, the fastest of the rest counts
+MARGIN = 0.97  # the transposed layout is kept only when its time is under this share of the plain layout's
+KERNELS = ("blas", "onednn")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one weight shape is kept and multiplied: ``transposed`` layout, and a kernel per :data:`ROWS` entry."""
+
+    transposed: bool
+    kernels: tuple[str, ...]
+    ms: dict[str, float] | None = None  # what was measured, for the log: "plain 1" -> ms per matrix
+
+    def kernel(self, rows: int) -> str:
+        """The kernel for a product of ``rows`` rows: the one measured at the nearest of :data:`ROWS` (the smaller
+        on a tie); ``F.linear``'s for longer products (prompts)."""
+        if rows >= len(_NEAREST):
+            return "blas"
+        nearest = _NEAREST[rows]
+        return self.kernels[nearest] if nearest < len(self.kernels) else "blas"
+
+
+# the index into ROWS nearest each row count a plan covers (up to twice the largest measured), looked up per product
+_NEAREST = tuple(min(range(len(ROWS)), key=lambda i: abs(ROWS[i] - rows)) for rows in range(2 * ROWS[-1] + 1))
+
+
+class PlannedLinear(nn.Linear):
+    """An ``nn.Linear`` whose products run the kernel its :class:`Plan` measured fastest for their row count."""
+
+    plan: Plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plan.kernel(x.numel() // x.shape[-1]) == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def plannable(module: nn.Module) -> bool:
+    """Whether ``module`` is a plain CPU ``nn.Linear`` with float weights a plan can lay out (not quantized)."""
+    if type(module) not in (nn.Linear, PlannedLinear):
+        return False
+    weight = module.weight
+    return (type(weight.data) is torch.Tensor and weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2)
+
+
+def plan_linears(modules: Iterable[nn.Module], *, max_rows: int, store: PlanStore | None = None,
+                 progress: Callable[[str], None] | None = None) -> dict[tuple, Plan]:
+    """Measure and apply a plan to every plannable ``nn.Linear`` in ``modules`` (in place), one plan per weight
+    shape, for products of up to ``max_rows`` rows. Returns the plans by ``(out, in, dtype)``."""
+    groups: dict[tuple, list[nn.Linear]] = {}
+    seen: set[int] = set()
+    for module in modules:
+        if plannable(module) and id(module) not in seen:
+            seen.add(id(module))
+            groups.setdefault(_shape(module.weight), []).append(module)
+    rows = tuple(r for r in ROWS if r == 1 or r <= max_rows)
+    plans: dict[tuple, Plan] = {}
+    threads = torch.get_num_threads()
+    # one daemon measures at a time on this host (two timing at once would each see the other's load)
+    with store.locked() if store is not None else contextlib.nullcontext():
+        for shape, group in groups.items():
+            key = _key(shape, rows, threads)
+            plan = store.get(key) if store is not None else None
+            if plan is None:
+                plan = measure_plan([m.weight.detach() for m in group], rows)
+                if store is not None:
+                    store.put(key, plan)
+            plans[shape] = plan
+    mappings = _file_mappings()
+    for shape, group in groups.items():
+        for module in group:
+            apply_plan(module, plans[shape], mappings)
+    if progress is not None and plans:
+        progress(describe(plans))
+    return plans
+
+
+def apply_plan(module: nn.Linear, plan: Plan, mappings: list[tuple[int, int]] = ()) -> None:
+    """Lay ``module``'s weight out as ``plan`` says (the same Parameter object: a tied weight stays tied) and make
+    its products follow the plan. Where the former weight lies in a file mapping (``mappings``), its pages are let
+    go of block by block as they are copied, so a node never holds a matrix twice."""
+    weight = module.weight
+    transposed = weight.stride(0) == 1 and weight.shape[1] > 1
+    if plan.transposed != transposed:
+        old = weight.data
+        shape = old.shape[::-1] if plan.transposed else old.shape
+        new = torch.empty(shape, dtype=old.dtype, device=old.device)
+        new = new.t() if plan.transposed else new
+        block = max(1, (4 << 20) // (old.shape[1] * old.element_size()))  # 4 MiB of the former weight at a time
+        with torch.no_grad():
+            for first in range(0, old.shape[0], block):
+                new[first:first + block].copy_(old[first:first + block])
+                if not transposed:  # rows of a plain weight are whole ranges of its memory
+                    _release_file_pages(old[first:first + block], mappings)
+            weight.data = new
+    module.__class__ = PlannedLinear
+    module.plan = plan
+
+
+_MADV_DONTNEED = 4
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """This process's memory ranges mapped from files (checkpoints a shard's weights may still point into)."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((start, end))
+    except OSError:
+        pass
+    return ranges
+
+
+def _release_file_pages(tensor: torch.Tensor, mappings: list[tuple[int, int]]) -> None:
+    """Drop the resident pages of a weight's former tensor where it lies in a file mapping: the weight no longer
+    reads them, and they would count in the node's memory beside its new copy until the kernel reclaimed them.
+    Only whole pages inside the tensor, only file pages: touched again, they would be read back from the file."""
+    if tensor.device.type != "cpu" or not mappings:
+        return
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    if not any(lo <= start and end <= hi for lo, hi in mappings):
+        return  # anonymous memory (a cast, a copy): freed with its last reference
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page
+    if last > first:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def measure_plan(weights: list[torch.Tensor], rows: tuple[int, ...]) -> Plan:
+    """Time ``weights`` (one shape) in both layouts with every kernel at each of ``rows``: the fastest plan."""
+    sample, total = [], 0
+    for weight in weights:  # whole matrices, the last (or a huge one) cut to its first outputs
+        outputs = max(1, (SAMPLE_BYTES - total) // (weight.shape[1] * weight.element_size()))
+        sample.append(weight[:outputs])
+        total += sample[-1].numel() * weight.element_size()
+        if total >= SAMPLE_BYTES:
+            break
+    layouts = {"plain": [w.contiguous() for w in sample], "transposed": [w.t().contiguous().t() for w in sample]}
+    kernels = KERNELS if onednn_available() else KERNELS[:1]
+    inputs = {r: torch.randn(r, sample[0].shape[1], dtype=sample[0].dtype) for r in rows}
+    times: dict[tuple[str, int, str], list[float]] = {}
+    with torch.inference_mode():
+        for _ in range(ROUNDS):
+            for layout, group in layouts.items():
+                for r in rows:
+                    for kernel in kernels:
+                        times.setdefault((layout, r, kernel), []).append(_time(group, inputs[r], kernel))
+    # the fastest round: what the product costs when the host leaves it alone (the first round sets kernels up)
+    fastest = {k: min(v[1:]) for k, v in times.items()}
+    best = {(layout, r): min(kernels, key=lambda k: fastest[layout, r, k]) for layout in layouts for r in rows}
+    score = {layout: sum(fastest[layout, r, best[layout, r]] for r in rows) for layout in layouts}
+    layout = "transposed" if score["transposed"] < MARGIN * score["plain"] else "plain"
+    ms = {f"{name} {r}": round(fastest[name, r, best[name, r]] * 1000.0, 4) for name in layouts for r in rows}
+    return Plan(layout == "transposed", tuple(best[layout, r] for r in rows), ms)
+
+
+def _time(weights: list[torch.Tensor], x: torch.Tensor, kernel: str) -> float:
+    """Seconds per matrix of one pass of ``x`` by every weight in ``weights`` with ``kernel``."""
+    if kernel == "onednn":
+        def product(w):
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    else:
+        def product(w):
+            return F.linear(x, w)
+    started = time.perf_counter()
+    for w in weights:
+        product(w)
+    return (time.perf_counter() - started) / len(weights)
+
+
+def describe(plans: dict[tuple, Plan]) -> str:
+    """One line: each shape's layout and kernels."""
+    parts = []
+    for (out, inp, dtype), plan in plans.items():
+        layout = "[in, out]" if plan.transposed else "[out, in]"
+        kernels = "/".join(f"{r}:{k}" for r, k in zip(ROWS, plan.kernels))
+        parts.append(f"{out}x{inp} {dtype} {layout} {kernels}")
+    return "weight plans: " + "; ".join(parts)
+
+
+def _shape(weight: torch.Tensor) -> tuple:
+    return (weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."))
+
+
+def _key(shape: tuple, rows: tuple[int, ...], threads: int) -> str:
+    out, inp, dtype = shape
+    return f"{out}x{inp} {dtype} rows {','.join(map(str, rows))} threads {threads}"
+
+
+class PlanStore:
+    """Plans measured on this machine, in a JSON file: one section per CPU model and torch version."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.section = f"{_cpu_name()} | torch {torch.__version__}"
+        self._read()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold this machine's plan lock for the block, with the plans read afresh (another daemon may have just
+        measured what this one needs); without a writable folder, the block runs unlocked."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+        except OSError:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._read()
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _read(self) -> None:
+        path = self.path
+        try:
+            self._all = json.loads(path.read_text())
+            if not isinstance(self._all, dict):
+                raise ValueError("not an object")
+        except FileNotFoundError:
+            self._all = {}
+        except (OSError, ValueError) as exc:  # unreadable: measured again and written anew
+            log.warning("ignoring the kernel plans in %s (%s)", path, exc)
+            self._all = {}
+
+    def get(self, key: str) -> Plan | None:
+        entry = self._all.get(self.section, {}).get(key)
+        try:
+            return Plan(bool(entry["transposed"]), tuple(entry["kernels"]), entry.get("ms")) if entry else None
+        except (KeyError, TypeError):
+            return None
+
+    def put(self, key: str, plan: Plan) -> None:
+        self._all.setdefault(self.section, {})[key] = asdict(plan) | {"kernels": list(plan.kernels)}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = self.path.with_suffix(f".{os.getpid()}.tmp")
+            temporary.write_text(json.dumps(self._all, indent=1))
+            temporary.replace(self.path)  # two nodes starting together each write a whole file
+        except OSError as exc:
+            log.warning("cannot save kernel plans to %s (%s); they are measured again at the next start",
+                        self.path, exc)
+
+
+def default_store() -> PlanStore:
+    from daemon.model.source import cache_dir
+
+    return PlanStore(cache_dir() / "kernel-plans.json")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
