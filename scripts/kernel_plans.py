@@ -28,6 +28,7 @@ def main() -> int:
 
     import torch
 
+    from daemon.api.launch import cpu_name
     from daemon.model import kernels
     from daemon.model.shard import ModelShard, read_model_info
     from daemon.model.source import fetch_default_model
@@ -37,7 +38,7 @@ def main() -> int:
     shard = ModelShard(folder, 0, read_model_info(folder).num_layers, kv_cache=False, dtype=getattr(torch, args.dtype))
     plans = shard.plan_kernels(max_rows=args.max_rows)
     rows = [r for r in kernels.ROWS if r == 1 or r <= args.max_rows]
-    print(f"{kernels._cpu_name()}, torch {torch.__version__}, {args.threads} thread(s), {args.dtype}, "
+    print(f"{cpu_name()}, torch {torch.__version__}, {args.threads} thread(s), {args.dtype}, "
           f"load {os.getloadavg()[0]:.2f}; ms per matrix, the fastest kernel of each")
     header = " ".join(f"{'[out,in] ' + str(r):>12s}" for r in rows) + " " + \
         " ".join(f"{'[in,out] ' + str(r):>12s}" for r in rows)

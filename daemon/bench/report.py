@@ -7,7 +7,7 @@ import platform
 from collections.abc import Sequence
 from pathlib import Path
 
-from daemon.api.launch import host_cores
+from daemon.api.launch import cpu_name, host_cores
 
 WINDOW = 10  # steps in the first-N and last-N throughput windows
 
@@ -34,13 +34,11 @@ def machine() -> dict:
     import torch
     import transformers
 
-    cpu = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor() or "unknown")
     mem = next((int(line.split()[1]) * 1024 for line in _read_lines("/proc/meminfo")
                 if line.startswith("MemTotal")), None)
     return {
         "cores": host_cores(),
-        "cpu": cpu, "memory_bytes": mem, "platform": platform.platform(), "python": platform.python_version(),
+        "cpu": cpu_name(), "memory_bytes": mem, "platform": platform.platform(), "python": platform.python_version(),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "load_average_at_start": os.getloadavg(),
     }

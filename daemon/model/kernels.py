@@ -41,7 +41,6 @@ import json
 import logging
 import mmap
 import os
-import platform
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -50,6 +49,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from daemon.api.launch import cpu_name
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +285,7 @@ class PlanStore:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.section = f"{_cpu_name()} | torch {torch.__version__}"
+        self.section = f"{cpu_name()} | torch {torch.__version__}"
         self._read()
 
     @contextlib.contextmanager
@@ -339,14 +340,3 @@ def default_store() -> PlanStore:
     from daemon.model.source import cache_dir
 
     return PlanStore(cache_dir() / "kernel-plans.json")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
