@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.tui_data import FakeDaemon, served_in_thread  # noqa: E402 - the repository root is on the path only now
+from tests.support.tui_data import FakeDaemon, served_in_thread  # noqa: E402 - the repository root is on the path only now
 
 MESHTUI = ROOT / ".venv" / "bin" / "meshtui"
 ROWS, COLUMNS = 40, 120

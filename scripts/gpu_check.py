@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemon.api.launch import MeshdProcess, free_port, node_url  # noqa: E402
-from tests.tiny_models import build_tiny_model  # noqa: E402
+from tests.support.tiny_models import build_tiny_model  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "mistral", "phi3", "gemma2", "gemma3_text")
 PROMPT = [1, 504, 3158, 1567, 4829, 28, 2117, 314, 17843]

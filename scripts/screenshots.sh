@@ -3,10 +3,10 @@
 # deterministic setups the snapshot tests use (frozen clock, fixed data, fixed terminal size).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python -m pytest tests/test_tui_snapshots.py -q -p no:cacheprovider --snapshot-update
+.venv/bin/python -m pytest tests/console/test_tui_snapshots.py -q -p no:cacheprovider --snapshot-update
 mkdir -p screenshots
 rm -f screenshots/*.svg
-for svg in tests/__snapshots__/test_tui_snapshots/test_*.svg; do
+for svg in tests/console/__snapshots__/test_tui_snapshots/test_*.svg; do
     name="$(basename "$svg")"
     cp "$svg" "screenshots/${name#test_}"
 done

@@ -86,7 +86,7 @@ def reference_tokens(reference_tokens_in):
 @pytest.fixture(scope="session")
 def tiny_model(default_model, tmp_path_factory):
     """``tiny_model(arch)`` -> folder of a tiny random-weight model of that architecture (built once)."""
-    from tests.tiny_models import build_tiny_model
+    from tests.support.tiny_models import build_tiny_model
 
     built: dict[str, Path] = {}
 
@@ -104,11 +104,11 @@ def openai_mesh(tiny_model, tmp_path_factory):
 
     A tiny random 4-layer llama with the built-in model's tokenizer: the head runs layers 0-1 and answers to
     ``tiny`` (the name its answers report) and ``tiny-alias``; the tail runs 2-3, answers to its folder's name,
-    and is meshd's ``forgetful`` variant (``tests.meshd_variants``): it loses the session of a request whose
+    and is meshd's ``forgetful`` variant (``tests.support.meshd_variants``): it loses the session of a request whose
     ``X-Request-Id`` starts ``forget-`` every 4th decode step, so those requests re-prefill mid-answer.
     """
     from daemon.api.launch import free_port, node_url
-    from tests.meshtest import Daemon
+    from tests.support.meshd import Daemon
 
     model = tiny_model("llama")
     logs = tmp_path_factory.mktemp("openai-logs")

@@ -26,7 +26,7 @@ least, and runs each product with the kernel measured fastest for its row count
 
 What a plan changes in the arithmetic: the order in which each output's sum is accumulated, so
 logits move by float rounding (about 1e-6 of their scale in float32). Tokens on the test prompts
-stay those of transformers' ``generate`` (``tests/test_kernels.py``); ``--tune-kernels off`` keeps
+stay those of transformers' ``generate`` (``tests/unit/test_kernels.py``); ``--tune-kernels off`` keeps
 transformers' own products, bit for bit. Plans are remembered per CPU, torch version, thread count,
 dtype and shape in ``kernel-plans.json`` beside the model cache, so a node decides once per machine
 and computes the same way on every start.

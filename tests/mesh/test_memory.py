@@ -1,0 +1,79 @@
+"""A node's memory follows its layers in its compute dtype: real meshd processes on a synthetic bfloat16
+Llama-shaped model large enough to tell (16 layers of 22.5 MB), their peak resident set (VmHWM) read
+from /proc and from their own /v1/status.
+
+Two nodes hosting 4 and 12 middle layers (no embeddings, no LM head) differ by 8 layers: the
+difference of their peaks is what those 8 layers cost, the runtime's fixed baseline cancelling out.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.support.meshd import Daemon
+from tests.support.tiny_models import TOKENIZER_FILES, VOCAB
+
+SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
+             num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=2048, tie_word_embeddings=True)
+PEAK_PER_BYTE = 1.2  # a node's peak may exceed its layers' bytes in the compute dtype by a fifth, no more
+
+
+@pytest.fixture(scope="module")
+def synthetic_bfloat16(tmp_path_factory, default_model):
+    """A random-weight Llama of ``SHAPE`` saved in bfloat16, with the built-in model's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dest = tmp_path_factory.mktemp("synthetic-bf16")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(LlamaConfig(**SHAPE), dtype=torch.bfloat16)
+    model.save_pretrained(dest)
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    del model
+    for name in TOKENIZER_FILES:
+        if (default_model / name).exists():
+            shutil.copy(default_model / name, dest / name)
+    return dest, layer_bytes
+
+
+def peak_rss_bytes(daemon: Daemon) -> int:
+    with open(f"/proc/{daemon.proc.pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+def loaded(folder, layers: str, dtype: str, tmp_path) -> tuple[int, dict]:
+    """Start a node for ``layers`` in ``dtype``, and return its peak resident set and its status."""
+    node = Daemon(folder, layers, dtype=dtype, log_dir=tmp_path).wait_ready()
+    try:
+        status = node.get("/v1/status")
+        return peak_rss_bytes(node), status
+    finally:
+        node.stop()
+
+
+@pytest.mark.slow
+def test_a_node_peaks_at_its_layers_bytes_in_bfloat16(synthetic_bfloat16, tmp_path):
+    folder, layer_bytes = synthetic_bfloat16
+    small_peak, small = loaded(folder, "1-4", "bfloat16", tmp_path)
+    large_peak, large = loaded(folder, "1-12", "bfloat16", tmp_path)
+    assert small["weights_bytes"] == {"layers": 4 * layer_bytes, "final_norm_and_lm_head": 0, "embeddings": 0}
+    assert large["weights_bytes"]["layers"] == 12 * layer_bytes
+    extra_bytes = 8 * layer_bytes
+    print(f"8 more bfloat16 layers ({extra_bytes / 2**20:.0f} MiB): peak {small_peak / 2**20:.0f} -> "
+          f"{large_peak / 2**20:.0f} MiB, {(large_peak - small_peak) / extra_bytes:.2f}x their bytes")
+    assert large_peak - small_peak <= PEAK_PER_BYTE * extra_bytes
+    # each node reports the same peak as /proc saw (its own reading came a moment earlier, so no higher)
+    assert small["memory"]["peak_rss_bytes"] <= small_peak
+    assert large["memory"]["peak_rss_bytes"] >= large["memory"]["rss_bytes"] > large["weights_bytes"]["layers"]
+
+
+@pytest.mark.slow
+def test_float32_on_the_same_checkpoint_costs_twice_the_bytes(synthetic_bfloat16, tmp_path):
+    """The same bfloat16 checkpoint computed in float32 holds each weight in 4 bytes: twice the peak per layer."""
+    folder, layer_bytes = synthetic_bfloat16
+    small_peak, small = loaded(folder, "1-4", "float32", tmp_path)
+    large_peak, large = loaded(folder, "1-12", "float32", tmp_path)
+    assert large["weights_bytes"]["layers"] - small["weights_bytes"]["layers"] == 2 * 8 * layer_bytes
+    assert large_peak - small_peak <= PEAK_PER_BYTE * 2 * 8 * layer_bytes
