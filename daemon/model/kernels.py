@@ -27,7 +27,8 @@ least, and runs each product with the kernel measured fastest for its row count
 What a plan changes in the arithmetic: the order in which each output's sum is accumulated, so
 logits move by float rounding (about 1e-6 of their scale in float32). Tokens on the test prompts
 stay those of transformers' ``generate`` (``tests/unit/test_kernels.py``); ``--tune-kernels off`` keeps
-transformers' own products, bit for bit. Plans are remembered per CPU, torch version, thread count,
+transformers' own products, bit for bit. Only float32 weights are planned: bfloat16 rounds each
+product's output, so another accumulation order can change tokens. Plans are remembered per CPU, torch version, thread count,
 dtype and shape in ``kernel-plans.json`` beside the model cache, so a node decides once per machine
 and computes the same way on every start.
 """
@@ -98,12 +99,15 @@ def onednn_available() -> bool:
 
 
 def plannable(module: nn.Module) -> bool:
-    """Whether ``module`` is a plain CPU ``nn.Linear`` with float weights a plan can lay out (not quantized)."""
+    """Whether ``module`` is a plain CPU ``nn.Linear`` with float32 weights a plan can lay out (not quantized).
+
+    Only float32: in bfloat16 another kernel's order of accumulation changes the rounded outputs, and on a Xeon a
+    two-node bfloat16 mesh with plans left ``generate``'s tokens at the 40th token of a test prompt."""
     if type(module) not in (nn.Linear, PlannedLinear):
         return False
     weight = module.weight
     return (type(weight.data) is torch.Tensor and weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2)
+            and weight.dtype == torch.float32 and weight.dim() == 2)
 
 
 def plan_linears(modules: Iterable[nn.Module], *, max_rows: int, store: PlanStore | None = None,

@@ -132,7 +132,8 @@ def test_an_unreadable_plan_file_is_measured_again_and_rewritten(tmp_path, caplo
 def test_only_plain_float_cpu_linears_are_planned():
     from daemon.model.quantize import quantize_layers
 
-    assert plannable(nn.Linear(8, 8)) and plannable(nn.Linear(8, 8).to(torch.bfloat16))
+    assert plannable(nn.Linear(8, 8))
+    assert not plannable(nn.Linear(8, 8).to(torch.bfloat16))  # rounding would move its tokens
     assert not plannable(nn.Linear(8, 8).to(torch.float16))
     assert not plannable(nn.Embedding(8, 8))
     quantized = nn.Sequential(nn.Linear(64, 64, bias=False))
