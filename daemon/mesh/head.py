@@ -21,7 +21,8 @@ import aiohttp
 from daemon import wire
 from daemon.api import GenerationStats, Sampling
 from daemon.errors import BadRequest, Draining, TooManyGenerations
-from daemon.mesh.generation import GenerationRequest, HopClient, HopReply, TokenEvent, generate
+from daemon.mesh.generation import GenerationRequest, TokenEvent, generate
+from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.planner import RoutePlanner
 from daemon.mesh.prefix import PrefixIndex, Reuse
 from daemon.mesh.transport import HopTransport
