@@ -36,7 +36,7 @@ class Router(Protocol):
 
     def observe(self, hop: Hop, *, mode: str | None, total_ms: float, compute_ms: float | None) -> None: ...
 
-    async def failover(self, failed: Hop, error: str, *, session_id: str, position: int,
+    async def failover(self, failed: Hop, failure: HopFailed, *, session_id: str, position: int,
                        patient: bool = True) -> list[Hop]: ...
 
     def reroute(self, route: list[Hop], *, session_id: str, position: int) -> list[Hop] | None: ...
@@ -324,7 +324,7 @@ class GenerationLoop:
         if self.stats.failovers > MAX_FAILOVERS:
             raise UpstreamError(f"gave up after {MAX_FAILOVERS} failovers; the last: {failure.message}") from None
         failed = next((hop for hop in self.route if hop.url == failure.url), self.route[-1])
-        self._move_to(await self.router.failover(failed, failure.message, session_id=self.session_id,
+        self._move_to(await self.router.failover(failed, failure, session_id=self.session_id,
                                                  position=len(self.ids), patient=bool(self.generated)))
 
     def _reroute(self) -> None:

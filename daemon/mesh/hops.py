@@ -3,7 +3,8 @@
 :class:`HopClient` speaks the protocol (``daemon.wire``) over the keep-alive connections of
 :mod:`daemon.mesh.transport` and turns every answer into a :class:`HopReply` or one of the loop's
 errors: a 409 is a :class:`CacheMiss` (one re-prefill), a node that is gone, too slow or answers 5xx
-is a :class:`HopFailed` (a failover), and anything else unusable is an :class:`UpstreamError`.
+is a :class:`HopFailed` (a failover) that says which of these it was, and anything else unusable is
+an :class:`UpstreamError`.
 """
 
 from __future__ import annotations
@@ -62,9 +63,11 @@ class HopClient:
         try:
             resp = await self._transport.post(hop.url.rstrip("/") + "/forward", body, headers=headers,
                                               timeout=seconds, connect_timeout=min(seconds, 5.0))
-        except (TransportError, TimeoutError) as exc:
-            reason = f"timed out after {seconds:.0f} s" if isinstance(exc, TimeoutError) else str(exc)
-            raise HopFailed(hop.url, f"{hop.url} is unreachable: {reason}") from None
+        except TimeoutError:
+            raise HopFailed(hop.url, f"{hop.url} is unreachable: timed out after {seconds:.0f} s",
+                            reason="timed_out") from None
+        except TransportError as exc:
+            raise HopFailed(hop.url, f"{hop.url} is unreachable: {exc}", reason="unreachable") from None
         body = resp.body
         if resp.status == 409:
             info = _json_or_empty(body)
@@ -75,7 +78,9 @@ class HopClient:
             message = message.get("message") if isinstance(message, dict) else message
             text = f"{hop.url} answered {resp.status}: {message or body[:200]!r}"
             # a 5xx is the node's trouble (a crash, a draining node): another may serve; a 4xx is ours
-            raise HopFailed(hop.url, text) if resp.status >= 500 else UpstreamError(text)
+            if resp.status >= 500:
+                raise HopFailed(hop.url, text, reason="http_status", status=resp.status)
+            raise UpstreamError(text)
         compute_ms = _float_or_none(resp.headers.get(wire.COMPUTE_MS))
         if resp.content_type == wire.ACTIVATION_CONTENT_TYPE:
             try:
