@@ -78,10 +78,14 @@ class ModelUnavailable(MeshError):
 
 
 class RouteUnavailable(MeshError):
-    """No set of known, live nodes covers every layer of the model."""
+    """No set of known, live nodes covers every layer of the model; ``layers``: the first range none serves."""
 
     status = 503
     code = "no_route"
+
+    def __init__(self, message: str, *, layers: tuple[int, int] | None = None) -> None:
+        super().__init__(message)
+        self.layers = layers  # half-open [start, end)
 
 
 class UpstreamError(MeshError):
@@ -92,11 +96,16 @@ class UpstreamError(MeshError):
 
 
 class HopFailed(UpstreamError):
-    """A hop's node did not answer (refused, reset, timed out) or answered 5xx: another node may serve it."""
+    """A hop's node did not answer (refused, reset, timed out) or answered 5xx: another node may serve it.
 
-    def __init__(self, url: str, message: str) -> None:
+    ``reason`` is ``unreachable``, ``timed_out`` or ``http_status`` (then ``status`` is what it answered).
+    """
+
+    def __init__(self, url: str, message: str, *, reason: str, status: int | None = None) -> None:
         super().__init__(message)
         self.url = url
+        self.reason = reason
+        self.status = status
 
 
 class Unauthorized(MeshError):

@@ -6,10 +6,18 @@ Times are local clock seconds unless a name says otherwise. A node's own clock i
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-from daemon.api import GenerationStats, ModelSummary, NodeStatus, RouteEvent, RouteInfo, SessionInfo, SessionList
+from daemon.api import (
+    GenerationStats,
+    ModelSummary,
+    NodeStatus,
+    RouteEvent,
+    RouteInfo,
+    SessionInfo,
+    SessionList,
+    format_layers,
+)
 from meshtui.client import Usage
 
 GRAPH_POINTS = 60  # samples kept for each tokens/s graph
@@ -308,30 +316,31 @@ class RouteChange:
 
     @classmethod
     def from_event(cls, event: RouteEvent) -> RouteChange:
-        return cls(time=event.time, kind=event.kind, failed=event.failed,
-                   reason=short_reason(event.kind, event.reason, event.failed), position=event.position,
-                   route=tuple("local" if hop.local else hop.url for hop in event.route))
+        return cls(time=event.time, kind=event.kind, failed=event.failed, reason=short_reason(event),
+                   position=event.position, route=tuple("local" if hop.local else hop.url for hop in event.route))
 
 
-_LAYERS = re.compile(r"serves layers (\d+-\d+)")
-_STEP_MS = re.compile(r"expected ([\d.]+) ms per step")
-_STATUS = re.compile(r"answered (\d{3})")
+SHORT_REASON_CHARS = 40  # an event without a code (an older head) shows this much of its sentence
 
 
-def short_reason(kind: str, reason: str, failed: str | None = None) -> str:
-    """A daemon's reason in a few words: ``http://…:7072 is unreachable: ClientConnectorError…`` -> ``unreachable``."""
-    if failed and reason.startswith(failed):
-        reason = reason[len(failed):].strip()
-    if kind == "no_route" and (match := _LAYERS.search(reason)):
-        return f"no node for layers {match.group(1)}"
-    if kind == "reroute" and (match := _STEP_MS.search(reason)):
-        return f"old route {match.group(1)} ms/step"
-    if reason.startswith("is unreachable"):
-        return "timed out" if "timed out" in reason else "unreachable"
-    if match := _STATUS.match(reason):
-        return f"answered {match.group(1)}"
-    reason = re.split(r"[:;]", reason, maxsplit=1)[0].strip()
-    return reason if len(reason) <= 40 else reason[:39] + "…"
+def short_reason(event: RouteEvent) -> str:
+    """A route event's reason in a few words, from its code: ``unreachable``, ``answered 503``, ...
+
+    An event without a code (from an older head) shows its sentence, cut to :data:`SHORT_REASON_CHARS`.
+    """
+    match event.code:
+        case "unreachable":
+            return "unreachable"
+        case "timed_out":
+            return "timed out"
+        case "http_status" if event.status is not None:
+            return f"answered {event.status}"
+        case "no_node_for_layers" if event.layers is not None:
+            return f"no node for layers {format_layers(*event.layers)}"
+        case "slower_route" if event.step_ms is not None:
+            return f"old route {event.step_ms:.1f} ms/step"
+    reason = event.reason
+    return reason if len(reason) <= SHORT_REASON_CHARS else reason[:SHORT_REASON_CHARS - 1] + "…"
 
 
 def layer_coverage(num_layers: int, ranges: list[tuple[int, int]]) -> list[int]:

@@ -48,6 +48,10 @@ def _many(cls, items) -> list:
     return [cls.from_dict(item) for item in items or [] if isinstance(item, dict)]
 
 
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How the tail picks each token. ``temperature == 0`` (or ``top_k == 1``) is greedy.
@@ -272,9 +276,22 @@ class NodeMeasurement:
         return _known(cls, data)
 
 
+# why a route changed, as a route event's ``code``; the fields each one fills beside ``reason``
+ROUTE_EVENT_CODES: dict[str, tuple[str, ...]] = {
+    "unreachable": (),  # failover: the node refused, reset or broke the exchange
+    "timed_out": (),  # failover: the node did not answer in time
+    "http_status": ("status",),  # failover: the node answered 5xx (a crash, a draining node)
+    "no_node_for_layers": ("layers",),  # no_route: no live node serves these layers
+    "slower_route": ("step_ms",),  # reroute: the old route had become far slower than another
+}
+
+
 @dataclass
 class RouteEvent:
-    """A change of a head's route: a ``failover``, a ``reroute``, or ``no_route`` (none covered every layer)."""
+    """A change of a head's route: a ``failover``, a ``reroute``, or ``no_route`` (none covered every layer).
+
+    ``reason`` is a sentence for people and logs; ``code`` and the fields it names say it for programs.
+    """
 
     time: float = 0.0  # the head's wall clock
     kind: str = "event"
@@ -283,13 +300,30 @@ class RouteEvent:
     position: int | None = None  # where the sequence was (prompt and answer tokens so far)
     failed: str | None = None  # the node whose hop failed
     route: list[Hop] = field(default_factory=list)  # the new route, if one was found
+    code: str | None = None  # one of ROUTE_EVENT_CODES; None from an older head, which sends only the sentence
+    status: int | None = None  # http_status: what the failed node answered
+    layers: tuple[int, int] | None = None  # no_node_for_layers: the first uncovered range, half-open
+    step_ms: float | None = None  # slower_route: the old route's expected milliseconds per decode step
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RouteEvent:
-        return _known(cls, data, route=_many(Hop, data.get("route")))
+        status, layers, step_ms = data.get("status"), data.get("layers"), data.get("step_ms")
+        pair = layers if isinstance(layers, (list, tuple)) and len(layers) == 2 and all(map(_whole, layers)) else None
+        number = _whole(step_ms) or isinstance(step_ms, float)
+        checked = {
+            "status": status if _whole(status) and 100 <= status <= 599 else None,
+            "layers": (pair[0], pair[1]) if pair and 0 <= pair[0] < pair[1] else None,
+            "step_ms": float(step_ms) if number and 0 <= step_ms < 1e9 else None,
+        }
+        code = data.get("code")
+        needs = ROUTE_EVENT_CODES.get(code) if isinstance(code, str) else None
+        # a code this reader does not know, or one without the fields it needs, reads as none: the sentence shows
+        if needs is None or any(checked[name] is None for name in needs):
+            code = None
+        return _known(cls, data, route=_many(Hop, data.get("route")), code=code, **checked)
 
 
 @dataclass

@@ -13,38 +13,18 @@ node) makes every step a prefill.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
-
-import aiohttp
 
 from daemon import wire
 from daemon.api import GenerationStats, Hop, Sampling
 from daemon.errors import BadRequest, CacheMiss, HopFailed, UpstreamError
-from daemon.logs import REQUEST_ID_HEADER, request_id
+from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.prefix import PrefixIndex, Reuse
 from daemon.mesh.text import TextStream
-from daemon.mesh.transport import HopTransport, TransportError
-
-
-@dataclass
-class HopReply:
-    """What a hop answered: activations for the next hop, or the tail's token."""
-
-    activation: wire.Activation | None = None
-    token_id: int | None = None
-    text: str | None = None
-    compute_ms: float | None = None  # the node's own time on the step, as it reports
-    logprob: float | None = None  # the tail's, when the sampling asked for logprobs
-    top_logprobs: list[tuple[int, float]] | None = None  # best first
-    payload_bytes: int = 0  # activation bytes sent to a remote hop
-    sent_bytes: int = 0  # the whole request on the wire: request line, headers, body
-    received_bytes: int = 0  # the whole response: status line, headers, body
 
 
 MAX_FAILOVERS = 8  # per generation: a mesh that keeps failing is an error, not a loop
@@ -56,7 +36,7 @@ class Router(Protocol):
 
     def observe(self, hop: Hop, *, mode: str | None, total_ms: float, compute_ms: float | None) -> None: ...
 
-    async def failover(self, failed: Hop, error: str, *, session_id: str, position: int,
+    async def failover(self, failed: Hop, failure: HopFailed, *, session_id: str, position: int,
                        patient: bool = True) -> list[Hop]: ...
 
     def reroute(self, route: list[Hop], *, session_id: str, position: int) -> list[Hop] | None: ...
@@ -102,113 +82,6 @@ class TokenEvent:
     text: str  # newly final text, maybe empty
     logprob: float | None = None  # the token's, when the request asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
-
-
-class HopClient:
-    """Sends one step to a remote node over keep-alive connections (:class:`HopTransport`).
-
-    A decode step (one token) must answer within ``timeout`` seconds; a step
-    over T tokens gets ``timeout * T / 32`` when that is longer, so a long
-    prefill is not mistaken for a dead node. ``session`` (aiohttp) carries the
-    rare requests off the hot path: releasing a session on a node left behind.
-    """
-
-    def __init__(self, transport: HopTransport, session: aiohttp.ClientSession, *, hidden_size: int,
-                 timeout: float = 10.0) -> None:
-        self._transport = transport
-        self._session = session
-        self._hidden_size = hidden_size
-        self._timeout = timeout
-
-    async def step(self, hop: Hop, activation: wire.Activation, headers: dict[str, str],
-                   history: wire.History | None = None) -> HopReply:
-        """One step on ``hop``; ``history`` (the tail's, for a penalty) travels after the activation bytes."""
-        headers = headers | {REQUEST_ID_HEADER: request_id.get()}  # one id across every node of a generation
-        seconds = self._timeout * max(1.0, activation.shape[1] / 32)
-        body = activation.data if history is None else bytes(activation.data) + history.to_bytes()
-        try:
-            resp = await self._transport.post(hop.url.rstrip("/") + "/forward", body, headers=headers,
-                                              timeout=seconds, connect_timeout=min(seconds, 5.0))
-        except (TransportError, TimeoutError) as exc:
-            reason = f"timed out after {seconds:.0f} s" if isinstance(exc, TimeoutError) else str(exc)
-            raise HopFailed(hop.url, f"{hop.url} is unreachable: {reason}") from None
-        body = resp.body
-        if resp.status == 409:
-            info = _json_or_empty(body)
-            reason = info.get("reason", "unknown_session")
-            raise CacheMiss(reason, info.get("message", f"{hop.url}: cache miss ({reason})"))
-        if resp.status != 200:
-            message = _json_or_empty(body).get("error", {})
-            message = message.get("message") if isinstance(message, dict) else message
-            text = f"{hop.url} answered {resp.status}: {message or body[:200]!r}"
-            # a 5xx is the node's trouble (a crash, a draining node): another may serve; a 4xx is ours
-            raise HopFailed(hop.url, text) if resp.status >= 500 else UpstreamError(text)
-        compute_ms = _float_or_none(resp.headers.get(wire.COMPUTE_MS))
-        if resp.content_type == wire.ACTIVATION_CONTENT_TYPE:
-            try:
-                answer = wire.parse_activation(resp.headers, body, hidden_size=self._hidden_size)
-            except BadRequest as exc:
-                raise UpstreamError(f"{hop.url} sent a malformed activation: {exc.message}") from None
-            reply = HopReply(activation=answer, compute_ms=compute_ms)
-        else:
-            token = _json_or_empty(body)
-            if "text" not in token and "token_id" not in token:
-                raise UpstreamError(f"{hop.url} sent neither activations nor a token")
-            reply = HopReply(token_id=token.get("token_id"), text=token.get("text", ""), compute_ms=compute_ms)
-            reply.logprob, reply.top_logprobs = _logprobs(token)
-        reply.payload_bytes = len(activation.data)
-        reply.sent_bytes, reply.received_bytes = resp.sent_bytes, resp.received_bytes
-        return reply
-
-    def release(self, url: str, session_id: str) -> None:
-        """Drop a session on a node the generation left (best effort, in the background)."""
-        self._spawn(self._session_call("DELETE", f"{url.rstrip('/')}/v1/sessions/{session_id}"))
-
-    def retain(self, url: str, session_id: str) -> None:
-        """Keep a finished generation's session on a node as a prefix (best effort, in the background)."""
-        self._spawn(self._session_call("POST", f"{url.rstrip('/')}/v1/sessions/{session_id}/retain"))
-
-    async def _session_call(self, method: str, url: str) -> None:
-        try:
-            async with self._session.request(method, url, timeout=aiohttp.ClientTimeout(total=2.0)):
-                pass
-        except (aiohttp.ClientError, TimeoutError):
-            pass  # the node is gone or busy: its TTL (and LRU) bound the session anyway
-
-    @staticmethod
-    def _spawn(coro: Coroutine) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        _BACKGROUND.add(task)  # a reference until it ends, or the loop may collect it mid-way
-        task.add_done_callback(_BACKGROUND.discard)
-
-
-_BACKGROUND: set[asyncio.Task] = set()
-
-
-def _float_or_none(raw: str | None) -> float | None:
-    try:
-        value = float(raw) if raw is not None else None
-    except ValueError:
-        return None
-    return value if value is not None and 0.0 <= value < 1e9 else None
-
-
-def _logprobs(token: dict) -> tuple[float | None, list[tuple[int, float]] | None]:
-    """A tail's ``logprob`` and ``top_logprobs``, or nothing when absent or malformed."""
-    logprob, top = token.get("logprob"), token.get("top_logprobs")
-    if not isinstance(logprob, (int, float)) or isinstance(logprob, bool) or not isinstance(top, list):
-        return None, None
-    pairs = [(p[0], float(p[1])) for p in top
-             if isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], (int, float))]
-    return float(logprob), pairs
-
-
-def _json_or_empty(body: bytes) -> dict:
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 async def run_step(
@@ -260,17 +133,13 @@ async def run_step(
     return reply
 
 
-async def generate(
-    backend: HeadBackend,
-    client: HopClient,
-    router: Router,
-    route: list[Hop],
-    request: GenerationRequest,
-    *,
-    stats: GenerationStats | None = None,
-    index: PrefixIndex | None = None,
-) -> AsyncIterator[TokenEvent]:
-    """Generate up to ``request.max_tokens`` tokens along ``route``, yielding text as it becomes final.
+class GenerationLoop:
+    """One generation along a route: iterate :meth:`run` for text as it becomes final.
+
+    Each step ends in one of a few outcomes, each handled by its own method: a token
+    (:meth:`_took_token`), an older tail's text without a token id (:meth:`_took_older_tail_text`),
+    a cache miss (:meth:`_cache_miss`: one re-prefill), a failed hop (:meth:`_failover`), and, every
+    :data:`REROUTE_CHECK_STEPS` decode steps, a possible move to a far faster route (:meth:`_reroute`).
 
     ``stats`` (created by the caller so it can be read while streaming) is filled in as it goes;
     ``stats.finish_reason`` is ``"stop"`` or ``"length"`` at the end. When a hop fails, ``router``
@@ -281,39 +150,90 @@ async def generate(
     prefilling the prompt; if any node cannot (409), the whole prompt is prefilled, as cold. ``index``
     (where the caller registered this generation) is told what the nodes hold after every step; a
     generation that ends keeps its session on every node as a retained prefix, one that fails or is
-    abandoned frees it.
+    abandoned frees it. Nothing happens until :meth:`run` is first iterated.
     """
-    if not request.prompt_ids:
-        raise BadRequest("the prompt is empty", param="messages")
-    session_id = stats.session_id if stats else uuid.uuid4().hex
-    stats = stats or GenerationStats(session_id=session_id, prompt_tokens=len(request.prompt_ids))
-    stats.route = list(route)
-    cached = all(hop.kv_cache for hop in route)
-    ids = list(request.prompt_ids)
-    generated: list[int] = []
-    legacy_text = ""  # only for a tail that returns text without token ids
-    past_len = 0
-    mode: str | None = "prefill" if cached else None
-    reuse = request.reuse if cached else None
-    if reuse is not None:
-        mode, past_len = "decode", reuse.keep  # an extend step: only the prompt's new tokens
-    if index is not None:
-        index.follow(session_id, ids)
-    stream = TextStream(backend.decode, request.stop)
-    sampling = request.sampling
-    # a repetition penalty looks at the prompt too: its ids once, as a set; the answer's go with every step
-    penalized_prompt = tuple(sorted(set(request.prompt_ids))) if sampling.repetition_penalty != 1.0 else ()
-    started = time.perf_counter()
-    decode_started: float | None = None
-    last_token_at = 0.0
-    decode_steps = 0
 
-    def observe(hop: Hop, total_ms: float, reply: HopReply) -> None:
+    def __init__(self, backend: HeadBackend, client: HopClient, router: Router, route: list[Hop],
+                 request: GenerationRequest, *, stats: GenerationStats | None = None,
+                 index: PrefixIndex | None = None) -> None:
+        self.backend, self.client, self.router, self.request, self.index = backend, client, router, request, index
+        self.session_id = stats.session_id if stats else uuid.uuid4().hex
+        self.stats = stats or GenerationStats(session_id=self.session_id, prompt_tokens=len(request.prompt_ids))
+        self.route = route
+        self.cached = all(hop.kv_cache for hop in route)
+        self.ids = list(request.prompt_ids)  # the prompt and the answer's tokens so far
+        self.generated: list[int] = []  # the answer's token ids; -1 for each step of an older tail
+        self.legacy_text = ""  # only for a tail that returns text without token ids
+        self.past_len = 0  # tokens every node of the route holds for this session
+        self.mode: str | None = "prefill" if self.cached else None  # the next step's: prefill, decode, None (stateless)
+        self.reuse = request.reuse if self.cached else None
+        if self.reuse is not None:
+            self.mode, self.past_len = "decode", self.reuse.keep  # an extend step: only the prompt's new tokens
+        self.stream = TextStream(backend.decode, request.stop)
+        # a repetition penalty looks at the prompt too: its ids once, as a set; the answer's go with every step
+        penalized = request.sampling.repetition_penalty != 1.0
+        self.penalized_prompt = tuple(sorted(set(request.prompt_ids))) if penalized else ()
+        self.started = 0.0
+        self.decode_started = 0.0
+        self.last_token_at = 0.0
+        self.decode_steps = 0
+
+    async def run(self) -> AsyncIterator[TokenEvent]:
+        """Step until the answer ends (end of sequence, a stop string, ``max_tokens``), yielding its text."""
+        request, stats = self.request, self.stats
+        if not request.prompt_ids:
+            raise BadRequest("the prompt is empty", param="messages")
+        stats.route = list(self.route)
+        if self.index is not None:
+            self.index.follow(self.session_id, self.ids)
+        self.started = time.perf_counter()
+        try:
+            while len(self.generated) < request.max_tokens:
+                if self.mode == "decode" and self.decode_steps and self.decode_steps % REROUTE_CHECK_STEPS == 0:
+                    self._reroute()
+                feed = self.ids[self.past_len:] if self.mode == "decode" else self.ids
+                step_started = time.perf_counter()
+                try:
+                    reply = await self._step(feed)
+                except CacheMiss as miss:
+                    self._cache_miss(miss)
+                    continue
+                except HopFailed as failure:
+                    await self._failover(failure)
+                    continue
+                self._count_step(len(feed), step_started)
+                if reply.token_id is None:
+                    event, done = self._took_older_tail_text(reply)
+                else:
+                    event, done = self._took_token(reply)
+                self._time_token()
+                if done or self.stream.stopped:
+                    stats.finish_reason = "stop"
+                    if event.text or event.logprob is not None:
+                        yield event
+                    return
+                yield event
+            stats.finish_reason = "length"
+            tail = self.stream.finish()
+            if tail:
+                yield TokenEvent(-1, tail)
+        finally:
+            self._end()
+
+    async def _step(self, feed: list[int]) -> HopReply:
+        sampling = self.request.sampling
+        history = wire.History(self.penalized_prompt, tuple(self.stats.token_ids)) if sampling.penalized else None
+        return await run_step(
+            self.backend, self.client, self.route, feed, mode=self.mode, session_id=self.session_id,
+            past_len=self.past_len, sampling=sampling, prefix=self.reuse, on_hop=self._observe, history=history,
+        )
+
+    def _observe(self, hop: Hop, total_ms: float, reply: HopReply) -> None:
         # an extend step computes the prompt's new tokens: measured as a prefill, not as a one-token decode
-        router.observe(hop, mode="prefill" if reuse is not None else mode, total_ms=total_ms,
-                       compute_ms=reply.compute_ms)
-        if generated:  # a step after the first token: what each further token costs on each hop
-            totals = stats.hop_totals(hop)
+        self.router.observe(hop, mode="prefill" if self.reuse is not None else self.mode, total_ms=total_ms,
+                            compute_ms=reply.compute_ms)
+        if self.generated:  # a step after the first token: what each further token costs on each hop
+            totals = self.stats.hop_totals(hop)
             totals.steps += 1
             totals.latency_ms += total_ms
             totals.compute_ms += reply.compute_ms or 0.0
@@ -321,143 +241,135 @@ async def generate(
             totals.sent_bytes += reply.sent_bytes
             totals.received_bytes += reply.received_bytes
 
-    def move_to(new_route: list[Hop]) -> None:
-        """Continue on ``new_route``: one prefill of everything so far there, under the same session id."""
-        nonlocal route, cached, mode, reuse
-        kept = {hop.url for hop in new_route}
-        for hop in route:
-            if hop.url not in kept and not hop.local:
-                client.release(hop.url, session_id)
-        route, cached = new_route, all(hop.kv_cache for hop in new_route)
-        stats.route = list(route)
-        if mode == "decode" and reuse is None:
-            stats.reprefills += 1
-        mode = "prefill" if cached else None
-        reuse = None  # the prefix lives on the old route's nodes
-        prefilling_afresh()
-
-    def prefilling_afresh() -> None:
-        if index is not None:
-            index.moved(session_id, route)
-
-    try:
-        while len(generated) < request.max_tokens:
-            if mode == "decode" and decode_steps and decode_steps % REROUTE_CHECK_STEPS == 0:
-                faster = router.reroute(route, session_id=session_id, position=len(ids))
-                if faster is not None:
-                    stats.reroutes += 1
-                    move_to(faster)
-            feed = ids[past_len:] if mode == "decode" else ids
-            step_started = time.perf_counter()
-            try:
-                history = wire.History(penalized_prompt, tuple(stats.token_ids)) if sampling.penalized else None
-                reply = await run_step(
-                    backend, client, route, feed, mode=mode, session_id=session_id,
-                    past_len=past_len, sampling=sampling, prefix=reuse, on_hop=observe, history=history,
-                )
-            except CacheMiss as miss:
-                if mode != "decode":
-                    raise UpstreamError(f"a node answered a cache miss to a {mode or 'stateless'} step") from None
-                stats.cache_misses += 1
-                if reuse is not None:  # the prefix could not be used: the whole prompt, as a cold request
-                    if index is not None:
-                        if miss.reason == "not_croppable":
-                            index.cannot_crop(route)
-                        else:
-                            index.forget(reuse.source)
-                    reuse, past_len = None, 0
-                elif miss.reason != "cache_disabled":
-                    stats.reprefills += 1  # one re-prefill of everything so far, same session id
-                if miss.reason == "cache_disabled":
-                    cached, mode = False, None  # a node that cannot cache: the rest runs stateless
-                    if index is not None:
-                        index.forget(session_id)
-                else:
-                    mode = "prefill"
-                    prefilling_afresh()
-                continue
-            except HopFailed as failure:
-                stats.failovers += 1
-                if stats.failovers > MAX_FAILOVERS:
-                    raise UpstreamError(f"gave up after {MAX_FAILOVERS} failovers; the last: {failure.message}") \
-                        from None
-                failed = next((hop for hop in route if hop.url == failure.url), route[-1])
-                move_to(await router.failover(failed, failure.message, session_id=session_id, position=len(ids),
-                                              patient=bool(generated)))
-                continue
-            if reuse is not None:  # the prompt's first step extended a held prefix
-                stats.cached_tokens = reuse.keep
-                stats.prompt_computed_tokens += len(feed)
+    def _count_step(self, fed: int, step_started: float) -> None:
+        """A step answered: count it by what it was (an extend, a prefill, a decode or a stateless step)."""
+        stats = self.stats
+        if self.reuse is not None:  # the prompt's first step extended a held prefix
+            stats.cached_tokens = self.reuse.keep
+            stats.prompt_computed_tokens += fed
+            stats.prefill_ms = (time.perf_counter() - step_started) * 1000.0
+            self.reuse = None
+        elif self.mode == "decode":
+            self.decode_steps += 1
+        if self.mode == "prefill":
+            stats.prefills += 1
+            stats.prompt_computed_tokens += fed
+            if stats.prefill_ms is None:
                 stats.prefill_ms = (time.perf_counter() - step_started) * 1000.0
-                reuse = None
-            elif mode == "decode":
-                decode_steps += 1
-            if mode == "prefill":
-                stats.prefills += 1
-                stats.prompt_computed_tokens += len(feed)
-                if stats.prefill_ms is None:
-                    stats.prefill_ms = (time.perf_counter() - step_started) * 1000.0
-            elif mode is None:
-                stats.stateless_steps += 1
-            if reply.token_id is None:
-                # an older tail: take its text, re-tokenize, and prefill every step
-                legacy_text += reply.text or ""
-                token_id = None
-                ids = list(request.prompt_ids) + backend.encode_text(legacy_text)
-                generated.append(-1)
-                mode = "prefill" if cached else None
-                done = (reply.text or "") in backend.eos_texts
-                delta = "" if done else reply.text or ""
-            else:
-                token_id = reply.token_id
-                generated.append(token_id)
-                stats.token_ids.append(token_id)
-                past_len = len(ids)
-                if index is not None and cached:
-                    index.advance(session_id, past_len)
-                ids.append(token_id)
-                mode = "decode" if cached else None
-                done = token_id in backend.eos_token_ids and not request.ignore_eos
-                delta = stream.finish() if done else stream.push(token_id)
-            stats.completion_tokens = len(generated)
-            now = time.perf_counter()
-            if stats.first_token_ms is None:
-                stats.first_token_ms = (now - started) * 1000.0
-                decode_started = now
-            else:
-                stats.decode_seconds = now - decode_started
-                stats.step_ms.append((now - last_token_at) * 1000.0)
-            last_token_at = now
-            if done and token_id is not None:  # the end-of-sequence token is no part of the answer
-                event = TokenEvent(-1, delta)
-            else:
-                event = TokenEvent(token_id if token_id is not None else -1, delta, reply.logprob, reply.top_logprobs)
-            if done or stream.stopped:
-                stats.finish_reason = "stop"
-                if delta or event.logprob is not None:
-                    yield event
-                return
-            yield event
-        stats.finish_reason = "length"
-        tail = stream.finish()
-        if tail:
-            yield TokenEvent(-1, tail)
-    finally:
-        if index is not None and cached and stats.finish_reason is not None and index.get(session_id) is not None:
-            # ended: every node keeps the session, as a prefix the next turn (or another client) starts from
-            index.retain(session_id)
-            for hop in route:
-                if hop.local:
-                    backend.retain_local_session(session_id)
+        elif self.mode is None:
+            stats.stateless_steps += 1
+
+    def _took_token(self, reply: HopReply) -> tuple[TokenEvent, bool]:
+        """The tail sampled a token: the next step decodes it alone. Returns its event and whether it ends."""
+        token_id = reply.token_id
+        self.generated.append(token_id)
+        self.stats.token_ids.append(token_id)
+        self.past_len = len(self.ids)
+        if self.index is not None and self.cached:
+            self.index.advance(self.session_id, self.past_len)
+        self.ids.append(token_id)
+        self.mode = "decode" if self.cached else None
+        done = token_id in self.backend.eos_token_ids and not self.request.ignore_eos
+        if done:  # the end-of-sequence token is no part of the answer
+            return TokenEvent(-1, self.stream.finish()), True
+        return TokenEvent(token_id, self.stream.push(token_id), reply.logprob, reply.top_logprobs), False
+
+    def _took_older_tail_text(self, reply: HopReply) -> tuple[TokenEvent, bool]:
+        """An older tail answered text without a token id: re-tokenize everything, and prefill every step."""
+        text = reply.text or ""
+        self.legacy_text += text
+        self.ids = list(self.request.prompt_ids) + self.backend.encode_text(self.legacy_text)
+        self.generated.append(-1)
+        self.mode = "prefill" if self.cached else None
+        done = text in self.backend.eos_texts
+        return TokenEvent(-1, "" if done else text, reply.logprob, reply.top_logprobs), done
+
+    def _time_token(self) -> None:
+        stats = self.stats
+        stats.completion_tokens = len(self.generated)
+        now = time.perf_counter()
+        if stats.first_token_ms is None:
+            stats.first_token_ms = (now - self.started) * 1000.0
+            self.decode_started = now
+        else:
+            stats.decode_seconds = now - self.decode_started
+            stats.step_ms.append((now - self.last_token_at) * 1000.0)
+        self.last_token_at = now
+
+    def _cache_miss(self, miss: CacheMiss) -> None:
+        """A node could not serve a decode step from its cache (409): prefill everything so far, once."""
+        if self.mode != "decode":
+            raise UpstreamError(f"a node answered a cache miss to a {self.mode or 'stateless'} step") from None
+        self.stats.cache_misses += 1
+        if self.reuse is not None:  # the prefix could not be used: the whole prompt, as a cold request
+            if self.index is not None:
+                if miss.reason == "not_croppable":
+                    self.index.cannot_crop(self.route)
                 else:
-                    client.retain(hop.url, session_id)
+                    self.index.forget(self.reuse.source)
+            self.reuse, self.past_len = None, 0
+        elif miss.reason != "cache_disabled":
+            self.stats.reprefills += 1  # one re-prefill of everything so far, same session id
+        if miss.reason == "cache_disabled":
+            self.cached, self.mode = False, None  # a node that cannot cache: the rest runs stateless
+            if self.index is not None:
+                self.index.forget(self.session_id)
+        else:
+            self.mode = "prefill"
+            self._prefilling_afresh()
+
+    async def _failover(self, failure: HopFailed) -> None:
+        """A hop failed: continue on a route without its node, or give up after :data:`MAX_FAILOVERS`."""
+        self.stats.failovers += 1
+        if self.stats.failovers > MAX_FAILOVERS:
+            raise UpstreamError(f"gave up after {MAX_FAILOVERS} failovers; the last: {failure.message}") from None
+        failed = next((hop for hop in self.route if hop.url == failure.url), self.route[-1])
+        self._move_to(await self.router.failover(failed, failure, session_id=self.session_id,
+                                                 position=len(self.ids), patient=bool(self.generated)))
+
+    def _reroute(self) -> None:
+        """Every few decode steps: move to a far faster route if the router knows one."""
+        faster = self.router.reroute(self.route, session_id=self.session_id, position=len(self.ids))
+        if faster is not None:
+            self.stats.reroutes += 1
+            self._move_to(faster)
+
+    def _move_to(self, new_route: list[Hop]) -> None:
+        """Continue on ``new_route``: one prefill of everything so far there, under the same session id."""
+        kept = {hop.url for hop in new_route}
+        for hop in self.route:
+            if hop.url not in kept and not hop.local:
+                self.client.release(hop.url, self.session_id)
+        self.route, self.cached = new_route, all(hop.kv_cache for hop in new_route)
+        self.stats.route = list(self.route)
+        if self.mode == "decode" and self.reuse is None:
+            self.stats.reprefills += 1
+        self.mode = "prefill" if self.cached else None
+        self.reuse = None  # the prefix lives on the old route's nodes
+        self._prefilling_afresh()
+
+    def _prefilling_afresh(self) -> None:
+        if self.index is not None:
+            self.index.moved(self.session_id, self.route)
+
+    def _end(self) -> None:
+        """Keep the session on every node as a prefix (ended), or free it (failed or abandoned)."""
+        index, stats = self.index, self.stats
+        if index is not None and self.cached and stats.finish_reason is not None \
+                and index.get(self.session_id) is not None:
+            # ended: every node keeps the session, as a prefix the next turn (or another client) starts from
+            index.retain(self.session_id)
+            for hop in self.route:
+                if hop.local:
+                    self.backend.retain_local_session(self.session_id)
+                else:
+                    self.client.retain(hop.url, self.session_id)
         else:
             if index is not None:
-                index.forget(session_id)
-            backend.drop_local_session(session_id)
+                index.forget(self.session_id)
+            self.backend.drop_local_session(self.session_id)
             if stats.finish_reason is None:
                 # abandoned (the client left) or failed: free this generation's sessions on every node now
-                for hop in route:
+                for hop in self.route:
                     if not hop.local:
-                        client.release(hop.url, session_id)
-
+                        self.client.release(hop.url, self.session_id)

@@ -21,7 +21,8 @@ import aiohttp
 from daemon import wire
 from daemon.api import GenerationStats, Sampling
 from daemon.errors import BadRequest, Draining, TooManyGenerations
-from daemon.mesh.generation import GenerationRequest, HopClient, HopReply, TokenEvent, generate
+from daemon.mesh.generation import GenerationLoop, GenerationRequest, TokenEvent
+from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.planner import RoutePlanner
 from daemon.mesh.prefix import PrefixIndex, Reuse
 from daemon.mesh.transport import HopTransport
@@ -195,8 +196,8 @@ class Head:
             loop_request = GenerationRequest(prompt_ids, max_tokens, sampling, request.stop, request.ignore_eos,
                                              reuse=reuse)
             backend = _LocalBackend(self.own, tokenizer, wire_dtype=self.settings.wire_dtype)
-            events = generate(backend, self._hop_client(), self.planner, route, loop_request, stats=stats,
-                              index=index)
+            events = GenerationLoop(backend, self._hop_client(), self.planner, route, loop_request, stats=stats,
+                                    index=index).run()
             # aclosing: a client that goes away mid-stream still ends the generation and frees its sessions now
             try:
                 async with contextlib.aclosing(events):

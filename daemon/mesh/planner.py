@@ -23,11 +23,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
 from daemon.api import NodeMeasurement, RouteEvent, RouteHopInfo, RouteInfo
-from daemon.errors import RouteUnavailable
+from daemon.errors import HopFailed, RouteUnavailable
 from daemon.mesh.peers import PeerDirectory
 from daemon.mesh.routing import Candidate, Hop, plan_route, route_cost
 
@@ -188,16 +189,16 @@ class RoutePlanner:
             self.latency.observe(hop.url, layers=hop.layers, total_ms=total_ms, compute_ms=compute_ms,
                                  local=hop.local)
 
-    async def failover(self, failed: Hop, error: str, *, session_id: str, position: int,
+    async def failover(self, failed: Hop, failure: HopFailed, *, session_id: str, position: int,
                        patient: bool = True) -> list[Hop]:
-        """Leave out the node that failed and find a route without it.
+        """Leave out the node that failed (``failure`` says how) and find a route without it.
 
         When no live node covers the failed node's layers, wait for one (a restart) for up to
         ``failover_wait`` seconds if ``patient`` (a generation under way is worth waiting for), else
         only a couple of seconds (a client that has nothing yet gets its error quickly).
         """
         self.failovers += 1
-        self.peers.mark_down(failed.url, error)
+        self.peers.mark_down(failed.url, failure.message)
         self.latency.failed(failed.url)
         wait = self.failover_wait if patient else min(self.failover_wait, IMPATIENT_WAIT_SECONDS)
         deadline = self._clock() + wait
@@ -206,12 +207,14 @@ class RoutePlanner:
                 route = self.plan(explore=False)
             except RouteUnavailable as exc:
                 if self._clock() >= deadline:
-                    self._event("no_route", session_id, failed=failed.url, reason=exc.message, position=position)
+                    self._event("no_route", session_id, failed=failed.url, reason=exc.message, position=position,
+                                code=None if exc.layers is None else "no_node_for_layers", layers=exc.layers)
                     raise
                 await asyncio.sleep(FAILOVER_POLL_SECONDS)
                 await self._refresh_peers()
                 continue
-            self._event("failover", session_id, failed=failed.url, reason=error, position=position, route=route)
+            self._event("failover", session_id, failed=failed.url, reason=failure.message, position=position,
+                        route=route, code=failure.reason, status=failure.status)
             return route
 
     def reroute(self, route: list[Hop], *, session_id: str, position: int) -> list[Hop] | None:
@@ -229,13 +232,14 @@ class RoutePlanner:
         self.reroutes += 1
         self.route = best
         self._event("reroute", session_id, reason=f"expected {current:.1f} ms per step on the old route",
-                    position=position, route=best)
+                    position=position, route=best, code="slower_route", step_ms=round(current, 1))
         return best
 
     def _event(self, kind: str, session_id: str, *, reason: str, position: int, failed: str | None = None,
-               route: list[Hop] | None = None) -> None:
+               route: list[Hop] | None = None, **detail: Any) -> None:
+        """Record a route change; ``detail``: its ``code`` and the fields that code fills (see ``RouteEvent``)."""
         self.events.append(RouteEvent(time=time.time(), kind=kind, session_id=session_id, reason=reason,
-                                      position=position, failed=failed, route=list(route or [])))
+                                      position=position, failed=failed, route=list(route or []), **detail))
 
     def info(self) -> RouteInfo:
         """The current route with each hop's measurements, every measured node, and the recent route changes."""

@@ -44,7 +44,7 @@ def plan_route(candidates: list[Candidate], num_layers: int, cost: HopCost = uni
     """The cheapest chain of hops covering layers ``0..num_layers-1``.
 
     Ties prefer fewer hops, then the local node (no HTTP hop), then caching nodes.
-    Raises :class:`RouteUnavailable` naming the first uncovered layer range.
+    Raises :class:`RouteUnavailable` naming the first uncovered layer range (and carrying it, half-open).
     """
     # best[p]: (sort key, chain) of the cheapest chain of hops whose layers end exactly at p
     best: dict[int, tuple[tuple, list[Hop]]] = {0: ((0.0, 0, 0, 0), [])}
@@ -67,7 +67,8 @@ def plan_route(candidates: list[Candidate], num_layers: int, cost: HopCost = uni
     gap_end = min(covered_from, default=num_layers) - 1
     raise RouteUnavailable(
         f"no live node serves layers {reached}-{gap_end} of 0-{num_layers - 1}; "
-        "start a node with --layers covering them or add it with --peer"
+        "start a node with --layers covering them or add it with --peer",
+        layers=(reached, gap_end + 1),
     )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.api import GenerationStats, NodeStatus, RouteInfo
+from daemon.api import GenerationStats, NodeStatus, RouteEvent, RouteInfo
 from meshtui.client import Usage
 from meshtui.config import ChatSettings
 from meshtui.export import conversation_record, write_export
@@ -116,15 +116,61 @@ def test_route_events_come_newest_first_in_a_few_words():
     assert mesh.recent_route_events()[0].reason == ""
 
 
+def event(kind: str, reason: str, **detail) -> RouteEvent:
+    """A route event as the console reads it from the head's JSON."""
+    return RouteEvent.from_dict({"kind": kind, "reason": reason, "failed": "http://127.0.0.1:7072", **detail})
+
+
 def test_daemon_reasons_are_cut_to_a_few_words():
     url = "http://127.0.0.1:7072"
-    assert short_reason("failover", f"{url} is unreachable: timed out after 10 s", url) == "timed out"
-    assert short_reason("failover", f"{url} answered 503: this node is draining", url) == "answered 503"
-    assert short_reason("failover", f"{url} is unreachable: ServerDisconnectedError", url) == "unreachable"
-    assert short_reason("no_route", "no live node serves layers 3-7 of 0-29; start a node") == "no node for layers 3-7"
-    assert short_reason("reroute", "expected 9.5 ms per step on the old route") == "old route 9.5 ms/step"
-    assert short_reason("failover", "something new: with details") == "something new"
-    assert len(short_reason("failover", "x" * 80)) == 40
+    # the words come from the code and its fields; the sentence beside them is only for people and logs
+    assert short_reason(event("failover", f"{url} is unreachable: timed out after 10 s", code="timed_out")) \
+        == "timed out"
+    assert short_reason(event("failover", f"{url} answered 503: this node is draining", code="http_status",
+                              status=503)) == "answered 503"
+    assert short_reason(event("failover", f"{url} is unreachable: ServerDisconnectedError", code="unreachable")) \
+        == "unreachable"
+    assert short_reason(event("no_route", "no live node serves layers 3-7 of 0-29; start a node",
+                              code="no_node_for_layers", layers=[3, 8])) == "no node for layers 3-7"
+    assert short_reason(event("reroute", "expected 9.5 ms per step on the old route", code="slower_route",
+                              step_ms=9.5)) == "old route 9.5 ms/step"
+    assert short_reason(event("failover", "something new: with details")) == "something new: with details"
+    assert len(short_reason(event("failover", "x" * 80))) == 40
+
+
+def test_the_words_never_come_from_the_sentence():
+    # an older head sends no code: its sentence shows as it is, cut, with nothing read out of it
+    older = event("failover", "http://127.0.0.1:7072 answered 503: this node is draining")
+    assert short_reason(older) == "http://127.0.0.1:7072 answered 503: thi…"
+    # the code decides, whatever the sentence says
+    assert short_reason(event("failover", "answered 500", code="unreachable")) == "unreachable"
+    assert short_reason(event("reroute", "expected 1.0 ms per step", code="slower_route", step_ms=14.94)) \
+        == "old route 14.9 ms/step"
+
+
+@pytest.mark.parametrize("detail", [
+    {"code": "http_status"},  # without the status it names
+    {"code": "http_status", "status": "503"},
+    {"code": "http_status", "status": True},
+    {"code": "http_status", "status": 42},
+    {"code": "no_node_for_layers", "layers": [7, 3]},
+    {"code": "no_node_for_layers", "layers": [3, 4, 5]},
+    {"code": "no_node_for_layers", "layers": "3-7"},
+    {"code": "slower_route", "step_ms": "9.5"},
+    {"code": "slower_route", "step_ms": -1},
+    {"code": "slower_route", "step_ms": float("inf")},
+    {"code": "a_newer_code"},
+    {"code": ["unreachable"]},
+])
+def test_a_code_without_its_fields_or_unknown_reads_as_none(detail):
+    read = event("failover", "the sentence", **detail)
+    assert read.code is None and short_reason(read) == "the sentence"
+
+
+def test_route_event_codes_survive_the_json_round_trip():
+    for original in failover_route().events:
+        read = RouteEvent.from_dict(json.loads(json.dumps(original.to_dict())))
+        assert read == original and read.code is not None
 
 
 def test_answer_rates_and_the_conversation():

@@ -118,12 +118,14 @@ def failover_route() -> RouteInfo:
     events = [
         RouteEvent(time=NOW - 700, kind="no_route", session_id="9e0d", failed=WORKER, position=12,
                    reason="no live node serves layers 15-29 of 0-29; start a node with --layers covering them or "
-                          "add it with --peer"),
+                          "add it with --peer", code="no_node_for_layers", layers=(15, 30)),
         RouteEvent(time=NOW - 310, kind="reroute", session_id="77ab", failed=None, position=131,
-                   reason="expected 14.9 ms per step on the old route", route=[local_hop, replica_hop]),
+                   reason="expected 14.9 ms per step on the old route", route=[local_hop, replica_hop],
+                   code="slower_route", step_ms=14.9),
         RouteEvent(time=NOW - 29, kind="failover", session_id="5d1e", failed=REPLICA, position=45,
                    reason=f"{REPLICA} is unreachable: ClientConnectorError: Cannot connect to host 127.0.0.1:7072 "
-                          "ssl:default [Connect call failed ('127.0.0.1', 7072)]", route=[local_hop, worker_hop]),
+                          "ssl:default [Connect call failed ('127.0.0.1', 7072)]", route=[local_hop, worker_hop],
+                   code="unreachable"),
     ]
     nodes = {HEAD: NodeMeasurement(local=True, latency_ms=1.9, overhead_ms=0.2, layer_ms=0.11, samples=212,
                                    failures=0, age_seconds=0.4),

@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from daemon.errors import RouteUnavailable
+from daemon.errors import HopFailed, RouteUnavailable
 from daemon.mesh import planner as planner_module
 from daemon.mesh.peers import PeerDirectory
 from daemon.mesh.planner import REROUTE_RATIO, STALE_SECONDS, UNMEASURED_OPTIMISM, LatencyModel, RoutePlanner
-from daemon.mesh.routing import Candidate, Hop
+from daemon.mesh.routing import Candidate, Hop, route_cost
 
 HEAD = "http://127.0.0.1:7070"
 R1 = "http://127.0.0.1:7071"
@@ -46,6 +46,10 @@ def make_planner(clock: Clock, *, explore: float = 0.0, peers: dict[str, tuple[i
 
 def decode(planner: RoutePlanner, url: str, total_ms: float, compute_ms: float, layers: int = 15) -> None:
     planner.observe(Hop(url, 30 - layers, 30), mode="decode", total_ms=total_ms, compute_ms=compute_ms)
+
+
+def unreachable(url: str) -> HopFailed:
+    return HopFailed(url, f"{url} is unreachable: cannot connect: Connection refused", reason="unreachable")
 
 
 def test_observations_split_overhead_from_compute_per_layer():
@@ -143,7 +147,7 @@ async def test_failover_marks_the_node_down_and_plans_around_it():
     planner = make_planner(clock)
     route = planner.plan()
     failed = route[1]
-    new_route = await planner.failover(failed, "reset", session_id="s", position=7)
+    new_route = await planner.failover(failed, unreachable(failed.url), session_id="s", position=7)
     assert new_route[1].url != failed.url
     assert planner.peers.peers[failed.url].up is False
     assert planner.failovers == 1
@@ -163,7 +167,7 @@ async def test_failover_without_a_replica_waits_for_the_bound_then_names_the_mis
     monkeypatch.setattr(planner_module.asyncio, "sleep", fake_sleep)
     route = planner.plan()
     with pytest.raises(RouteUnavailable, match=r"layers 15-29 of 0-29"):
-        await planner.failover(route[1], "refused", session_id="s", position=3)
+        await planner.failover(route[1], unreachable(route[1].url), session_id="s", position=3)
     assert sum(slept) == pytest.approx(2.0)
     assert planner.events[-1].kind == "no_route"
 
@@ -179,5 +183,50 @@ async def test_failover_takes_a_node_that_comes_back_while_waiting(monkeypatch):
 
     monkeypatch.setattr(planner_module.asyncio, "sleep", fake_sleep)
     route = planner.plan()
-    new_route = await planner.failover(route[1], "refused", session_id="s", position=3)
+    new_route = await planner.failover(route[1], unreachable(route[1].url), session_id="s", position=3)
     assert new_route[1].url == R1 and clock.now < 1000 + 10
+
+
+# ---- every route event says why in a code, beside its sentence -------------------------------------------------
+
+@pytest.mark.parametrize("failure", [
+    HopFailed(R1, f"{R1} is unreachable: cannot connect: Connection refused", reason="unreachable"),
+    HopFailed(R1, f"{R1} is unreachable: timed out after 10 s", reason="timed_out"),
+    HopFailed(R1, f"{R1} answered 503: this node is draining", reason="http_status", status=503),
+])
+async def test_a_failover_event_carries_how_the_hop_failed(failure):
+    planner = make_planner(Clock(), peers={R1: (15, 30), R2: (15, 30)})
+    route = [Hop(HEAD, 0, 15, local=True), Hop(R1, 15, 30)]
+    await planner.failover(route[1], failure, session_id="s", position=7)
+    event = planner.events[-1]
+    assert (event.kind, event.failed, event.reason) == ("failover", R1, failure.message)
+    assert (event.code, event.status) == (failure.reason, failure.status)
+    assert planner.peers.peers[R1].error == failure.message
+
+
+async def test_a_failover_without_a_route_names_the_uncovered_layers_in_its_event(monkeypatch):
+    clock = Clock()
+    planner = make_planner(clock, peers={R1: (15, 30)}, failover_wait=1.0)
+
+    async def fake_sleep(seconds: float) -> None:
+        clock.now += seconds
+
+    monkeypatch.setattr(planner_module.asyncio, "sleep", fake_sleep)
+    with pytest.raises(RouteUnavailable):
+        await planner.failover(planner.plan()[1], unreachable(R1), session_id="s", position=3)
+    event = planner.events[-1]
+    assert (event.kind, event.code, event.layers) == ("no_route", "no_node_for_layers", (15, 30))
+    assert "layers 15-29 of 0-29" in event.reason
+
+
+def test_a_reroute_event_carries_the_old_routes_expected_step():
+    planner = make_planner(Clock())
+    route = [Hop(HEAD, 0, 15, local=True), Hop(R1, 15, 30)]
+    decode(planner, R2, total_ms=10.0, compute_ms=5.0)
+    for _ in range(30):
+        decode(planner, R1, total_ms=123.456, compute_ms=20.0)
+    assert planner.reroute(route, session_id="s", position=42) is not None
+    event = planner.events[-1]
+    assert (event.kind, event.code) == ("reroute", "slower_route")
+    assert event.step_ms == round(route_cost(route, planner.candidates(), planner.latency.cost), 1)
+    assert event.reason == f"expected {event.step_ms:.1f} ms per step on the old route"

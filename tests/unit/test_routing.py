@@ -243,3 +243,18 @@ def test_missing_head_names_range_from_zero():
 def test_empty_candidates_raise_whole_range():
     with pytest.raises(RouteUnavailable, match=r"layers 0-29 of 0-29"):
         plan_route([], 30)
+
+
+@pytest.mark.parametrize(("cands", "num_layers", "gap"), [
+    ([Candidate(A, 0, 15), Candidate(B, 20, 30)], 30, (15, 20)),
+    ([Candidate(A, 0, 10), Candidate(B, 5, 12), Candidate(C, 16, 24)], 24, (12, 16)),
+    ([Candidate(A, 0, 20)], 30, (20, 30)),
+    ([Candidate(A, 10, 30)], 30, (0, 10)),
+    ([], 30, (0, 30)),
+])
+def test_the_error_carries_the_uncovered_range_half_open(cands, num_layers, gap):
+    # what a route event reports as its layers: the same range the sentence names, inclusive there
+    with pytest.raises(RouteUnavailable) as info:
+        plan_route(cands, num_layers)
+    assert info.value.layers == gap
+    assert f"layers {gap[0]}-{gap[1] - 1} " in info.value.message

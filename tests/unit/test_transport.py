@@ -9,11 +9,16 @@ import asyncio
 import contextlib
 import socket
 
+import aiohttp
 import pytest
 import uvloop
 from aiohttp import web
 
+from daemon import wire
+from daemon.api import Hop
+from daemon.errors import HopFailed, UpstreamError
 from daemon.mesh import transport as transport_module
+from daemon.mesh.hops import HopClient
 from daemon.mesh.transport import HopTransport, TransportError
 
 
@@ -36,6 +41,9 @@ class Server:
         self.app.router.add_post("/slow", self.slow)
         self.app.router.add_post("/chunked", self.chunked)
         self.app.router.add_post("/status/{code}", self.status)
+        # where HopClient sends a step: the hop's URL plus /forward
+        self.app.router.add_post("/slow/forward", self.slow)
+        self.app.router.add_post("/status/{code}/forward", self.status)
 
     async def __aenter__(self) -> Server:
         self.runner = web.AppRunner(self.app, access_log=None, keepalive_timeout=self.keepalive_timeout)
@@ -411,4 +419,54 @@ def test_a_certificate_for_another_name_is_refused(run, tls):
                 await post(hops, server.url + "/echo")
             await hops.close()
         assert server.requests == []
+    run(main())
+
+
+# ---- the hop client on top: a failed hop says how it failed, for the head's route events ----------------------
+
+async def hop_step(url: str, *, timeout: float = 5.0):
+    """One decode step (a 4-wide activation) to the node at ``url``, through :class:`HopClient`."""
+    hops = HopTransport()
+    try:
+        async with aiohttp.ClientSession() as session:
+            client = HopClient(hops, session, hidden_size=4, timeout=timeout)
+            return await client.step(Hop(url, 0, 1), wire.Activation("float32", (1, 1, 4), bytes(16)), {})
+    finally:
+        await hops.close()
+
+
+def test_a_node_that_answers_5xx_is_a_failed_hop_that_names_the_status(run):
+    async def main():
+        async with Server() as server:
+            with pytest.raises(HopFailed) as failed:
+                await hop_step(server.url + "/status/503")
+            with pytest.raises(UpstreamError) as refused:
+                await hop_step(server.url + "/status/400")
+        assert (failed.value.reason, failed.value.status) == ("http_status", 503)
+        assert failed.value.message.startswith(f"{server.url}/status/503 answered 503")
+        assert not isinstance(refused.value, HopFailed)  # a 4xx is the head's own doing: no failover
+    run(main())
+
+
+def test_a_node_nothing_listens_on_is_an_unreachable_hop(run):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+
+    async def main():
+        with pytest.raises(HopFailed) as failed:
+            await hop_step(url)
+        assert (failed.value.reason, failed.value.status, failed.value.url) == ("unreachable", None, url)
+        assert failed.value.message.startswith(f"{url} is unreachable: cannot connect")
+    run(main())
+
+
+@pytest.mark.slow
+def test_a_node_that_answers_too_late_is_a_timed_out_hop(run):
+    async def main():
+        async with Server() as server:
+            with pytest.raises(HopFailed) as failed:
+                await hop_step(server.url + "/slow", timeout=0.3)
+        assert (failed.value.reason, failed.value.status) == ("timed_out", None)
+        assert failed.value.message == f"{server.url}/slow is unreachable: timed out after 0 s"
     run(main())

@@ -1,0 +1,149 @@
+"""The head's ``/forward`` client: one step sent to a remote node and its answer read.
+
+:class:`HopClient` speaks the protocol (``daemon.wire``) over the keep-alive connections of
+:mod:`daemon.mesh.transport` and turns every answer into a :class:`HopReply` or one of the loop's
+errors: a 409 is a :class:`CacheMiss` (one re-prefill), a node that is gone, too slow or answers 5xx
+is a :class:`HopFailed` (a failover) that says which of these it was, and anything else unusable is
+an :class:`UpstreamError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Coroutine
+from dataclasses import dataclass
+
+import aiohttp
+
+from daemon import wire
+from daemon.api import Hop
+from daemon.errors import BadRequest, CacheMiss, HopFailed, UpstreamError
+from daemon.logs import REQUEST_ID_HEADER, request_id
+from daemon.mesh.transport import HopTransport, TransportError
+
+
+@dataclass
+class HopReply:
+    """What a hop answered: activations for the next hop, or the tail's token."""
+
+    activation: wire.Activation | None = None
+    token_id: int | None = None
+    text: str | None = None
+    compute_ms: float | None = None  # the node's own time on the step, as it reports
+    logprob: float | None = None  # the tail's, when the sampling asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # best first
+    payload_bytes: int = 0  # activation bytes sent to a remote hop
+    sent_bytes: int = 0  # the whole request on the wire: request line, headers, body
+    received_bytes: int = 0  # the whole response: status line, headers, body
+
+
+class HopClient:
+    """Sends one step to a remote node over keep-alive connections (:class:`HopTransport`).
+
+    A decode step (one token) must answer within ``timeout`` seconds; a step
+    over T tokens gets ``timeout * T / 32`` when that is longer, so a long
+    prefill is not mistaken for a dead node. ``session`` (aiohttp) carries the
+    rare requests off the hot path: releasing a session on a node left behind.
+    """
+
+    def __init__(self, transport: HopTransport, session: aiohttp.ClientSession, *, hidden_size: int,
+                 timeout: float = 10.0) -> None:
+        self._transport = transport
+        self._session = session
+        self._hidden_size = hidden_size
+        self._timeout = timeout
+
+    async def step(self, hop: Hop, activation: wire.Activation, headers: dict[str, str],
+                   history: wire.History | None = None) -> HopReply:
+        """One step on ``hop``; ``history`` (the tail's, for a penalty) travels after the activation bytes."""
+        headers = headers | {REQUEST_ID_HEADER: request_id.get()}  # one id across every node of a generation
+        seconds = self._timeout * max(1.0, activation.shape[1] / 32)
+        body = activation.data if history is None else bytes(activation.data) + history.to_bytes()
+        try:
+            resp = await self._transport.post(hop.url.rstrip("/") + "/forward", body, headers=headers,
+                                              timeout=seconds, connect_timeout=min(seconds, 5.0))
+        except TimeoutError:
+            raise HopFailed(hop.url, f"{hop.url} is unreachable: timed out after {seconds:.0f} s",
+                            reason="timed_out") from None
+        except TransportError as exc:
+            raise HopFailed(hop.url, f"{hop.url} is unreachable: {exc}", reason="unreachable") from None
+        body = resp.body
+        if resp.status == 409:
+            info = _json_or_empty(body)
+            reason = info.get("reason", "unknown_session")
+            raise CacheMiss(reason, info.get("message", f"{hop.url}: cache miss ({reason})"))
+        if resp.status != 200:
+            message = _json_or_empty(body).get("error", {})
+            message = message.get("message") if isinstance(message, dict) else message
+            text = f"{hop.url} answered {resp.status}: {message or body[:200]!r}"
+            # a 5xx is the node's trouble (a crash, a draining node): another may serve; a 4xx is ours
+            if resp.status >= 500:
+                raise HopFailed(hop.url, text, reason="http_status", status=resp.status)
+            raise UpstreamError(text)
+        compute_ms = _float_or_none(resp.headers.get(wire.COMPUTE_MS))
+        if resp.content_type == wire.ACTIVATION_CONTENT_TYPE:
+            try:
+                answer = wire.parse_activation(resp.headers, body, hidden_size=self._hidden_size)
+            except BadRequest as exc:
+                raise UpstreamError(f"{hop.url} sent a malformed activation: {exc.message}") from None
+            reply = HopReply(activation=answer, compute_ms=compute_ms)
+        else:
+            token = _json_or_empty(body)
+            if "text" not in token and "token_id" not in token:
+                raise UpstreamError(f"{hop.url} sent neither activations nor a token")
+            reply = HopReply(token_id=token.get("token_id"), text=token.get("text", ""), compute_ms=compute_ms)
+            reply.logprob, reply.top_logprobs = _logprobs(token)
+        reply.payload_bytes = len(activation.data)
+        reply.sent_bytes, reply.received_bytes = resp.sent_bytes, resp.received_bytes
+        return reply
+
+    def release(self, url: str, session_id: str) -> None:
+        """Drop a session on a node the generation left (best effort, in the background)."""
+        self._spawn(self._session_call("DELETE", f"{url.rstrip('/')}/v1/sessions/{session_id}"))
+
+    def retain(self, url: str, session_id: str) -> None:
+        """Keep a finished generation's session on a node as a prefix (best effort, in the background)."""
+        self._spawn(self._session_call("POST", f"{url.rstrip('/')}/v1/sessions/{session_id}/retain"))
+
+    async def _session_call(self, method: str, url: str) -> None:
+        try:
+            async with self._session.request(method, url, timeout=aiohttp.ClientTimeout(total=2.0)):
+                pass
+        except (aiohttp.ClientError, TimeoutError):
+            pass  # the node is gone or busy: its TTL (and LRU) bound the session anyway
+
+    @staticmethod
+    def _spawn(coro: Coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        _BACKGROUND.add(task)  # a reference until it ends, or the loop may collect it mid-way
+        task.add_done_callback(_BACKGROUND.discard)
+
+
+_BACKGROUND: set[asyncio.Task] = set()
+
+
+def _float_or_none(raw: str | None) -> float | None:
+    try:
+        value = float(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and 0.0 <= value < 1e9 else None
+
+
+def _logprobs(token: dict) -> tuple[float | None, list[tuple[int, float]] | None]:
+    """A tail's ``logprob`` and ``top_logprobs``, or nothing when absent or malformed."""
+    logprob, top = token.get("logprob"), token.get("top_logprobs")
+    if not isinstance(logprob, (int, float)) or isinstance(logprob, bool) or not isinstance(top, list):
+        return None, None
+    pairs = [(p[0], float(p[1])) for p in top
+             if isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], (int, float))]
+    return float(logprob), pairs
+
+
+def _json_or_empty(body: bytes) -> dict:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,176 @@
+"""The head's generation loop, one outcome at a time: tokens, a cache miss, a failover, a reroute, an older tail.
+
+The head's own layers and the remote tails are stand-ins that answer by script; for failovers the
+router is the real planner, so a failed hop's reason is seen to reach the head's route events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from daemon import wire
+from daemon.api import Hop, Sampling
+from daemon.errors import CacheMiss, HopFailed, UpstreamError
+from daemon.mesh.generation import MAX_FAILOVERS, REROUTE_CHECK_STEPS, GenerationLoop, GenerationRequest
+from daemon.mesh.hops import HopReply
+from daemon.mesh.peers import PeerDirectory
+from daemon.mesh.planner import RoutePlanner
+from daemon.mesh.routing import Candidate
+
+HEAD = "http://127.0.0.1:7070"
+R1 = "http://127.0.0.1:7071"
+R2 = "http://127.0.0.1:7072"
+PROMPT = [5, 6, 7]
+ROUTE = [Hop(HEAD, 0, 15, local=True), Hop(R1, 15, 30)]
+
+
+class OwnLayers:
+    """The head's layers 0-14 (``HeadBackend``): they pass every step on; token ids decode to letters."""
+
+    hidden_size = 4
+    eos_token_ids = {0}
+    eos_texts = {"<eos>"}
+
+    async def local_step(self, activation, *, token_ids=None, **step) -> HopReply:
+        return HopReply(activation=wire.Activation("float32", (1, len(token_ids or [1]), 4), b""))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in token_ids)
+
+    def encode_text(self, text: str) -> list[int]:
+        return [ord(c) - ord("a") for c in text]
+
+    def drop_local_session(self, session_id: str) -> None:
+        pass
+
+    def retain_local_session(self, session_id: str) -> None:
+        pass
+
+
+class Tails:
+    """The remote tails (``HopClient``): step ``n`` answers token ``n``, unless ``trouble`` has an error for it."""
+
+    def __init__(self, trouble: dict[int, Exception] | None = None, *, older: bool = False) -> None:
+        self.trouble = trouble or {}
+        self.older = older  # answer text only, like a tail from before token ids
+        self.steps: list[tuple[str, str | None, int]] = []  # (node, mode, tokens fed)
+        self.released: list[str] = []
+
+    async def step(self, hop: Hop, activation: wire.Activation, headers: dict, history=None) -> HopReply:
+        self.steps.append((hop.url, headers.get(wire.CACHE), activation.shape[1]))
+        if len(self.steps) in self.trouble:
+            raise self.trouble[len(self.steps)]
+        if self.older:
+            return HopReply(text="b")
+        return HopReply(token_id=len(self.steps))
+
+    def release(self, url: str, session_id: str) -> None:
+        self.released.append(url)
+
+    def retain(self, url: str, session_id: str) -> None:
+        pass
+
+
+class FixedRouter:
+    """A router (``Router``) with a scripted answer: every failover, and the reroute at one position."""
+
+    def __init__(self, route: list[Hop], *, reroute_at: int | None = None) -> None:
+        self.route, self.reroute_at = route, reroute_at
+        self.failures: list[HopFailed] = []
+
+    def observe(self, hop, *, mode, total_ms, compute_ms) -> None:
+        pass
+
+    async def failover(self, failed, failure, *, session_id, position, patient=True) -> list[Hop]:
+        self.failures.append(failure)
+        return self.route
+
+    def reroute(self, route, *, session_id, position) -> list[Hop] | None:
+        return self.route if position == self.reroute_at else None
+
+
+def planner(peers: list[str]) -> RoutePlanner:
+    directory = PeerDirectory([], self_url=HEAD, fingerprint="f")
+    for url in peers:
+        directory.add(url)
+        directory.peers[url].up = True
+        directory.peers[url].status = {"start": 15, "end": 30, "kv_cache_enabled": True, "supports_kv_cache": True,
+                                       "model": {"fingerprint": "f"}}
+    own = Candidate(HEAD, 0, 15, local=True)
+    return RoutePlanner(lambda: own, directory, 30, explore=0.0, failover_wait=0.5, rng=random.Random(1))
+
+
+def generate(router, tails: Tails, route: list[Hop], max_tokens: int = 4):
+    """Run one generation to its end: the events' token ids and texts, and its statistics."""
+    request = GenerationRequest(PROMPT, max_tokens, Sampling(), ignore_eos=True)
+    loop = GenerationLoop(OwnLayers(), tails, router, route, request)
+
+    async def collect():
+        return [(event.token_id, event.text) async for event in loop.run()]
+    return asyncio.run(collect()), loop.stats
+
+
+def test_a_token_each_step_prefill_once_then_one_at_a_time():
+    tails = Tails()
+    events, stats = generate(FixedRouter(ROUTE), tails, ROUTE)
+    assert [token for token, _ in events] == [1, 2, 3, 4] and stats.finish_reason == "length"
+    assert tails.steps == [(R1, "prefill", 3), (R1, "decode", 1), (R1, "decode", 1), (R1, "decode", 1)]
+    assert (stats.prefills, stats.reprefills, stats.cache_misses, stats.failovers) == (1, 0, 0, 0)
+
+
+def test_a_cache_miss_costs_one_reprefill_of_everything_so_far():
+    tails = Tails({2: CacheMiss("unknown_session", "evicted")})  # the first decode step misses
+    events, stats = generate(FixedRouter(ROUTE), tails, ROUTE)
+    assert len(events) == 4 and (stats.cache_misses, stats.reprefills, stats.failovers) == (1, 1, 0)
+    # the prompt and the first token again, under the same session, then decoding goes on
+    assert tails.steps[:4] == [(R1, "prefill", 3), (R1, "decode", 1), (R1, "prefill", 4), (R1, "decode", 1)]
+
+
+def test_a_cache_miss_to_a_prefill_is_the_nodes_error():
+    tails = Tails({1: CacheMiss("unknown_session", "nonsense")})
+    with pytest.raises(UpstreamError, match="a cache miss to a prefill step"):
+        generate(FixedRouter(ROUTE), tails, ROUTE)
+
+
+def test_a_failed_hop_moves_the_generation_and_its_event_says_how_it_failed():
+    router = planner([R1, R2])
+    route = router.plan()
+    failed = route[1].url
+    failure = HopFailed(failed, f"{failed} is unreachable: timed out after 10 s", reason="timed_out")
+    tails = Tails({3: failure})
+    events, stats = generate(router, tails, route)
+    assert len(events) == 4 and stats.failovers == 1 and stats.reprefills == 1
+    assert stats.route[1].url != failed and tails.released == [failed]
+    event = router.events[-1]
+    assert (event.kind, event.failed, event.reason) == ("failover", failed, failure.message)
+    assert (event.code, event.status) == ("timed_out", None)
+
+
+def test_a_mesh_that_keeps_failing_gives_up_after_the_bound():
+    failure = HopFailed(R1, f"{R1} answered 503: draining", reason="http_status", status=503)
+    router = FixedRouter(ROUTE)
+    tails = Tails({n: failure for n in range(1, 100)})
+    with pytest.raises(UpstreamError, match=f"gave up after {MAX_FAILOVERS} failovers; the last: .* answered 503"):
+        generate(router, tails, ROUTE)
+    assert len(router.failures) == MAX_FAILOVERS
+
+
+def test_a_reroute_is_checked_every_few_decode_steps_and_costs_one_prefill():
+    faster = [Hop(HEAD, 0, 15, local=True), Hop(R2, 15, 30)]
+    position = len(PROMPT) + REROUTE_CHECK_STEPS + 1  # after the prefill's token and 16 decode steps
+    tails = Tails()
+    events, stats = generate(FixedRouter(faster, reroute_at=position), tails, ROUTE, max_tokens=20)
+    assert len(events) == 20 and (stats.reroutes, stats.reprefills) == (1, 1)
+    assert tails.released == [R1] and stats.route == faster
+    assert tails.steps[REROUTE_CHECK_STEPS + 1] == (R2, "prefill", position)
+
+
+def test_an_older_tail_without_token_ids_is_prefilled_every_step():
+    tails = Tails(older=True)
+    events, stats = generate(FixedRouter(ROUTE), tails, ROUTE, max_tokens=3)
+    assert events == [(-1, "b"), (-1, "b"), (-1, "b")]
+    assert [mode for _, mode, _ in tails.steps] == ["prefill"] * 3
+    assert [fed for _, _, fed in tails.steps] == [3, 4, 5]  # the prompt and the text so far, re-tokenized
