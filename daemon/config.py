@@ -27,7 +27,7 @@ from pathlib import Path
 import platformdirs
 
 from daemon.api import TOKEN_PATTERN, TOKEN_RULE, parse_layers
-from daemon.api.launch import host_cores
+from daemon.host import host_cores
 
 DEFAULT_PORT = 7070
 
