@@ -16,7 +16,8 @@ import time
 
 from daemon import __version__
 from daemon.api.launch import NODE_INSTALL, console_only, missing_node_packages
-from daemon.config import SETTINGS, ConfigError, default_config_path, default_threads, is_loopback, load_config
+from daemon.config import SETTINGS, default_config_path, default_threads, is_loopback, load_config
+from daemon.settings import ConfigError
 
 STOP_WAIT_SECONDS = 2.0  # after the grace: how long generations get to reach their next step and end
 GOMP_SPINS = 100_000  # 2.3-2.7 ms of spinning on the 2-core Xeon measured (scripts/spin_count.py); CPUs differ

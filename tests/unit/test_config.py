@@ -11,7 +11,8 @@ import pytest
 
 from daemon import config as config_module
 from daemon.api import format_layers, parse_layers
-from daemon.config import DEFAULT_PORT, SETTINGS, ConfigError, NodeConfig, default_threads, load_config
+from daemon.config import DEFAULT_PORT, SETTINGS, NodeConfig, default_threads, load_config
+from daemon.settings import ConfigError
 
 
 @pytest.fixture
