@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -52,6 +53,9 @@ def _fetch_parser() -> argparse.ArgumentParser:
                    "hosting them does; every layer when absent")
     p.add_argument("--layer-count", action="store_true", help="with a .gguf file: only say how many layers it has "
                    "(read from its header; nothing is converted)")
+    p.add_argument("--json", action="store_true", help='also print the result on stdout as one JSON object, '
+                   '{"folder": PATH} (with --layer-count, {"layers": N}), for programs; what it says on stderr '
+                   "stays for people")
     return p
 
 
@@ -64,9 +68,17 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
+def _answer(result: dict, as_json: bool) -> int:
+    """With ``--json``, ``result`` as one JSON line on stdout (what the console reads); 0 either way."""
+    if as_json:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
 def fetch_model(argv: list[str]) -> int:
     """``meshd fetch-model [--model SPEC]``: resolve a model spec into a loadable folder, with progress
-    on stderr, ending with a line ``meshd: ... is ready in PATH`` (the console reads PATH from it)."""
+    on stderr, ending with a line ``meshd: ... is ready in PATH``; with ``--json``, then
+    ``{"folder": PATH}`` on stdout (``{"layers": N}`` for ``--layer-count``)."""
     from daemon.api import parse_layers
     from daemon.errors import ModelUnavailable
     from daemon.model.gguf_convert import gguf_layer_count
@@ -86,7 +98,7 @@ def fetch_model(argv: list[str]) -> int:
             num_layers = gguf_layer_count(gguf)
             if args.layer_count:
                 _say(f"{gguf.name} has {num_layers} layers")
-                return 0
+                return _answer({"layers": num_layers}, args.json)
             try:
                 start, end = parse_layers(args.layers, num_layers=num_layers)
             except ValueError as exc:
@@ -97,7 +109,7 @@ def fetch_model(argv: list[str]) -> int:
     except ModelUnavailable as exc:
         return _fail(exc.message)
     _say(f"{'the built-in model' if args.model is None else 'the model'} is ready in {path}")
-    return 0
+    return _answer({"folder": str(path)}, args.json)
 
 
 class Refused(Exception):
