@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli import _serve_parser
+from daemon.cli import _serve_parser, main
 from daemon.config import SETTINGS, load_config
 
 
@@ -167,3 +168,29 @@ def test_meshd_runs_on_uvloop_unless_told_otherwise(monkeypatch):
     assert loop_factory() is uvloop.new_event_loop
     monkeypatch.setenv("MESHNET_EVENT_LOOP", "asyncio")
     assert loop_factory() is None  # asyncio's own loop, to compare the two
+
+
+# ---- meshd fetch-model --json: the answer programs (the console's local mesh) read -------------------
+
+
+def test_fetch_model_json_answers_the_folder_and_still_tells_people(tiny_model, capsys):
+    folder = tiny_model("llama").resolve()
+    assert main(["fetch-model", "--model", str(folder), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("\n") == 1 and json.loads(out) == {"folder": str(folder)}
+    assert f"meshd: the model is ready in {folder}\n" in err
+
+
+def test_fetch_model_json_answers_a_gguf_s_layer_count(default_model, capsys):
+    from daemon.model.source import default_gguf_path
+
+    gguf = default_gguf_path()  # the built-in model's own GGUF, kept once it was fetched
+    assert main(["fetch-model", "--model", str(gguf), "--layer-count", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("\n") == 1 and json.loads(out) == {"layers": 30}
+    assert err.endswith(f"meshd: {gguf.name} has 30 layers\n")
+
+
+def test_fetch_model_without_json_says_it_only_in_prose(tiny_model, capsys):
+    assert main(["fetch-model", "--model", str(tiny_model("llama"))]) == 0
+    assert capsys.readouterr().out == ""
