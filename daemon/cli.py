@@ -2,6 +2,7 @@
 
     meshd --layers 0-14 --port 7070 --peer http://127.0.0.1:7071
     meshd fetch-model
+    meshd fetch-model --json      # the same, answering {"folder": PATH} on stdout, for programs
 """
 
 from __future__ import annotations
