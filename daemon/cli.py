@@ -82,7 +82,6 @@ def fetch_model(argv: list[str]) -> int:
     ``{"folder": PATH}`` on stdout (``{"layers": N}`` for ``--layer-count``)."""
     from daemon.api import parse_layers
     from daemon.errors import ModelUnavailable
-    from daemon.model.gguf_convert import gguf_layer_count
     from daemon.model.source import fetch_default_model, gguf_model_file, gguf_range_folder, resolve_model
 
     parser = _fetch_parser()
@@ -96,6 +95,8 @@ def fetch_model(argv: list[str]) -> int:
         if args.model is None:
             path = fetch_default_model(progress=_say, force=args.force)
         elif args.layers or args.layer_count:
+            from daemon.model.gguf_convert import gguf_layer_count  # torch: only a .gguf needs it here
+
             num_layers = gguf_layer_count(gguf)
             if args.layer_count:
                 _say(f"{gguf.name} has {num_layers} layers")
