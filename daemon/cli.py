@@ -2,6 +2,7 @@
 
     meshd --layers 0-14 --port 7070 --peer http://127.0.0.1:7071
     meshd fetch-model
+    meshd fetch-model --json      # the same, answering {"folder": PATH} on stdout, for programs
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -16,7 +18,8 @@ import time
 
 from daemon import __version__
 from daemon.api.launch import NODE_INSTALL, console_only, missing_node_packages
-from daemon.config import SETTINGS, ConfigError, default_config_path, default_threads, is_loopback, load_config
+from daemon.config import SETTINGS, default_config_path, default_threads, is_loopback, load_config
+from daemon.settings import ConfigError
 
 STOP_WAIT_SECONDS = 2.0  # after the grace: how long generations get to reach their next step and end
 GOMP_SPINS = 100_000  # 2.3-2.7 ms of spinning on the 2-core Xeon measured (scripts/spin_count.py); CPUs differ
@@ -51,6 +54,9 @@ def _fetch_parser() -> argparse.ArgumentParser:
                    "hosting them does; every layer when absent")
     p.add_argument("--layer-count", action="store_true", help="with a .gguf file: only say how many layers it has "
                    "(read from its header; nothing is converted)")
+    p.add_argument("--json", action="store_true", help='also print the result on stdout as one JSON object, '
+                   '{"folder": PATH} (with --layer-count, {"layers": N}), for programs; what it says on stderr '
+                   "stays for people")
     return p
 
 
@@ -63,12 +69,19 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
+def _answer(result: dict, as_json: bool) -> int:
+    """With ``--json``, ``result`` as one JSON line on stdout (what the console reads); 0 either way."""
+    if as_json:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
 def fetch_model(argv: list[str]) -> int:
     """``meshd fetch-model [--model SPEC]``: resolve a model spec into a loadable folder, with progress
-    on stderr, ending with a line ``meshd: ... is ready in PATH`` (the console reads PATH from it)."""
+    on stderr, ending with a line ``meshd: ... is ready in PATH``; with ``--json``, then
+    ``{"folder": PATH}`` on stdout (``{"layers": N}`` for ``--layer-count``)."""
     from daemon.api import parse_layers
     from daemon.errors import ModelUnavailable
-    from daemon.model.gguf_convert import gguf_layer_count
     from daemon.model.source import fetch_default_model, gguf_model_file, gguf_range_folder, resolve_model
 
     parser = _fetch_parser()
@@ -82,10 +95,12 @@ def fetch_model(argv: list[str]) -> int:
         if args.model is None:
             path = fetch_default_model(progress=_say, force=args.force)
         elif args.layers or args.layer_count:
+            from daemon.model.gguf_convert import gguf_layer_count  # torch: only a .gguf needs it here
+
             num_layers = gguf_layer_count(gguf)
             if args.layer_count:
                 _say(f"{gguf.name} has {num_layers} layers")
-                return 0
+                return _answer({"layers": num_layers}, args.json)
             try:
                 start, end = parse_layers(args.layers, num_layers=num_layers)
             except ValueError as exc:
@@ -96,7 +111,7 @@ def fetch_model(argv: list[str]) -> int:
     except ModelUnavailable as exc:
         return _fail(exc.message)
     _say(f"{'the built-in model' if args.model is None else 'the model'} is ready in {path}")
-    return 0
+    return _answer({"folder": str(path)}, args.json)
 
 
 class Refused(Exception):

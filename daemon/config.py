@@ -1,11 +1,11 @@
-"""meshd's configuration, with one precedence order:
-
-    command line  >  environment (MESHNET_*)  >  TOML file  >  defaults
+"""meshd's configuration: the fields of :class:`NodeConfig`, their checks, and how they are loaded.
 
 Each field is declared once, in :class:`NodeConfig`: its default, its command-line flag and help, and
-its check. Everything else is derived from that declaration (:data:`SETTINGS`): the argparse options
-of ``meshd``, the ``MESHNET_<FIELD>`` variables, the TOML keys (the field names) with their types, and
-the validation, applied once to each value that was given, whatever its source.
+its check. The engine in ``daemon.settings`` derives everything else from that declaration
+(:data:`SETTINGS`): the argparse options of ``meshd``, the ``MESHNET_<FIELD>`` variables, the TOML
+keys, and the validation, with one precedence order:
+
+    command line  >  environment (MESHNET_*)  >  TOML file  >  defaults
 
 The TOML file is ``meshd.toml`` in the platformdirs config folder (or the file
 named by ``--config`` / ``MESHNET_CONFIG``).
@@ -14,40 +14,31 @@ named by ``--config`` / ``MESHNET_CONFIG``).
 from __future__ import annotations
 
 import ipaddress
-import math
 import os
 import re
-import tomllib
-import typing
 import urllib.parse
-from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
 
 from daemon.api import TOKEN_PATTERN, TOKEN_RULE, parse_layers
-from daemon.api.launch import host_cores
+from daemon.host import host_cores
+from daemon.settings import (
+    ConfigError,
+    Given,
+    Setting,
+    above,
+    at_least,
+    between,
+    merged,
+    read_sources,
+    setting,
+    settings_of,
+)
 
 DEFAULT_PORT = 7070
-
-# What is wrong with a value, as the end of a sentence ("must be at least 1"), or None when it is fine.
-Check = Callable[[typing.Any], str | None]
-
-
-def between(low: float, high: float) -> Check:
-    """A check that a number lies in ``[low, high]``."""
-    return lambda value: None if low <= value <= high else f"must be between {low:g} and {high:g}"
-
-
-def at_least(low: float) -> Check:
-    """A check that a number is ``low`` or more."""
-    return lambda value: None if value >= low else f"must be at least {low:g}"
-
-
-def above(low: float) -> Check:
-    """A check that a number is more than ``low``."""
-    return lambda value: None if value > low else f"must be greater than {low:g}"
 
 
 def _token(value: str) -> str | None:
@@ -103,20 +94,6 @@ def _addresses(values: list[str]) -> str | None:
 def _model_names(values: list[str]) -> str | None:
     bad = [value for value in values if not value or len(value) > 256 or any(c.isspace() for c in value)]
     return f"must be names of 1 to 256 characters without spaces ({bad[0]!r} is not)" if bad else None
-
-
-def setting(default, *, flag: str | None, help: str, metavar: str | None = None, choices: tuple[str, ...] = (),
-            check: Check | None = None, secret: bool = False):
-    """Declare a :class:`NodeConfig` field with how the command line, environment and TOML file set it.
-
-    ``flag`` is the command-line option (None: none; the variable and the file still set the field);
-    ``choices`` are matched in any case; ``secret`` values are never echoed in an error.
-    """
-    metadata = {"setting": {"flag": flag, "help": help, "metavar": metavar, "choices": choices, "check": check,
-                            "secret": secret}}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -250,121 +227,13 @@ class NodeConfig:
         return self.public_url or f"{scheme}://{self.host}:{self.port}"
 
 
-_KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
-               list: "a list of strings"}
-_TRUE_WORDS, _FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One configuration field as every source sees it: flag, environment variable, TOML type and check."""
-
-    name: str
-    kind: type  # str, int, float, bool, or list (of str)
-    default: object
-    flag: str | None
-    help: str
-    metavar: str | None
-    choices: tuple[str, ...]
-    check: Check | None
-    secret: bool
-
-    @property
-    def env_var(self) -> str:
-        """The environment variable that sets this field: ``MESHNET_`` and the field name in capitals."""
-        return f"MESHNET_{self.name.upper()}"
-
-    @property
-    def kind_name(self) -> str:
-        """The field's type in words, for error messages."""
-        return _KIND_NAMES[self.kind]
-
-    def argparse_options(self) -> dict:
-        """Keyword arguments of ``add_argument(self.flag, ...)``.
-
-        The default stays None, so only options the user gave reach :func:`load_config`. A bool flag
-        sets the opposite of the default (``--no-kv-cache``), a list flag repeats (``--peer``).
-        """
-        options: dict = {"dest": self.name, "default": None, "help": self.help}
-        if self.kind is bool:
-            return options | {"action": "store_const", "const": not self.default}
-        if self.kind is list:
-            options["action"] = "append"
-        elif self.kind in (int, float):
-            options["type"] = self.kind
-        if self.choices:
-            options |= {"choices": self.choices, "type": str.lower}
-        if self.metavar:
-            options["metavar"] = self.metavar
-        return options
-
-    def parse_text(self, text: str):
-        """The value of an environment variable's text; ValueError when it is not of the field's type."""
-        text = text.strip()
-        if self.kind is list:  # space and/or comma separated
-            return [part for part in text.replace(",", " ").split() if part]
-        if self.kind is bool:
-            if text.lower() not in _TRUE_WORDS + _FALSE_WORDS:
-                raise ValueError(text)
-            return text.lower() in _TRUE_WORDS
-        return self.kind(text)
-
-    def has_type(self, value) -> bool:
-        """Whether ``value`` (from the TOML file or a caller) is of this field's type; ints count as floats."""
-        if isinstance(value, bool):  # a bool is an int to Python, never to a config file
-            return self.kind is bool
-        if self.kind is float:
-            return isinstance(value, int | float)
-        if self.kind is list:
-            return isinstance(value, list) and all(isinstance(item, str) for item in value)
-        return isinstance(value, self.kind)
-
-    def problem(self, value) -> str | None:
-        """What is wrong with a typed value for this field ("must be ..."), or None when it can be used."""
-        if self.kind is float and not math.isfinite(value):
-            return "must be a finite number"
-        if self.kind is str and not value.strip():
-            return "must not be empty"
-        if self.choices and value.lower() not in self.choices:
-            return f"must be one of {', '.join(self.choices)}"
-        return self.check(value) if self.check else None
-
-    def normalized(self, value):
-        """The value as NodeConfig holds it: floats as float, choices in lower case."""
-        if self.kind is float:
-            return float(value)
-        if self.choices:
-            return value.lower()
-        return value
-
-
-def _kind(annotation) -> type:
-    """The one type a field holds: int for ``int | None``, list for ``list[str]``."""
-    if typing.get_origin(annotation) is list:
-        return list
-    return next((a for a in typing.get_args(annotation) if a is not type(None)), annotation)
-
-
-def _settings() -> tuple[Setting, ...]:
-    hints = typing.get_type_hints(NodeConfig)
-    return tuple(
-        Setting(name=f.name, kind=_kind(hints[f.name]),
-                default=f.default if f.default is not MISSING else f.default_factory(), **f.metadata["setting"])
-        for f in fields(NodeConfig)
-    )
-
-
-SETTINGS: tuple[Setting, ...] = _settings()  # every field of NodeConfig, in declaration order
+SETTINGS: tuple[Setting, ...] = settings_of(NodeConfig)  # every field of NodeConfig, in declaration order
 _BY_NAME = {s.name: s for s in SETTINGS}
 
 
 def default_config_path() -> Path:
     """``meshd.toml`` in the user's platformdirs config folder, the file read when none is named."""
     return Path(platformdirs.user_config_dir("meshnet")) / "meshd.toml"
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message names where it came from."""
 
 
 def load_config(cli: dict, environ: Mapping[str, str] = os.environ, path: Path | None = None) -> NodeConfig:
@@ -375,15 +244,8 @@ def load_config(cli: dict, environ: Mapping[str, str] = os.environ, path: Path |
     one-line :class:`ConfigError` naming its source: the file and key, the variable, or the flag.
     """
     path = path or (Path(environ["MESHNET_CONFIG"]) if environ.get("MESHNET_CONFIG") else default_config_path())
-    # field name -> (value, where it came from); a later source replaces an earlier one
-    sources = (_from_cli(cli), _from_environ(environ), _from_toml(path))  # highest precedence first
-    given = sources[2] | sources[1] | sources[0]
-    for name, (value, source) in given.items():
-        setting = _BY_NAME[name]
-        problem = setting.problem(value)
-        if problem:
-            raise ConfigError(f"{source} {problem}" + ("" if setting.secret else f", got {value!r}"))
-    given = _one_api_key(given, sources)
+    sources = read_sources(SETTINGS, cli, environ, path)  # highest precedence first
+    given = _one_api_key(merged(SETTINGS, sources), sources)
     return NodeConfig(**{name: _BY_NAME[name].normalized(value) for name, (value, _) in given.items()})
 
 
@@ -391,7 +253,7 @@ def load_config(cli: dict, environ: Mapping[str, str] = os.environ, path: Path |
 API_KEY_NAMES = ("api_key", "token", "api_key_file")
 
 
-def _one_api_key(given: dict, sources: tuple[dict, ...]) -> dict:
+def _one_api_key(given: Given, sources: tuple[Given, ...]) -> Given:
     """Resolve the API key's names into one key, held by both ``api_key`` and ``token`` (its older name).
 
     The highest source that names the key decides; two different keys in that one source are an error.
@@ -427,54 +289,6 @@ def read_api_key_file(path: str, where: str) -> str:
     if _token(key):
         raise ConfigError(f"{where} {path}: the key must be {TOKEN_RULE}")
     return key
-
-
-def _from_toml(path: Path) -> dict[str, tuple[object, str]]:
-    if not path.exists():
-        return {}
-    try:
-        data = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, OSError) as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    unknown = sorted(set(data) - set(_BY_NAME))
-    if unknown:
-        raise ConfigError(f"{path}: unknown keys {unknown}; known keys are {sorted(_BY_NAME)}")
-    for key, value in data.items():
-        if not _BY_NAME[key].has_type(value):
-            raise ConfigError(f"{path}: {key} must be {_BY_NAME[key].kind_name}, got {value!r}")
-    return {key: (value, f"{path}: {key}") for key, value in data.items()}
-
-
-def _from_environ(environ: Mapping[str, str]) -> dict[str, tuple[object, str]]:
-    given = {}
-    for setting in SETTINGS:
-        text = environ.get(setting.env_var, "")
-        if not text.strip():  # a blank variable is an unset one
-            continue
-        try:
-            given[setting.name] = (setting.parse_text(text), setting.env_var)
-        except ValueError:
-            shown = "" if setting.secret else f"={text!r}"
-            expected = "one of " + ", ".join(_TRUE_WORDS + _FALSE_WORDS) if setting.kind is bool else setting.kind_name
-            raise ConfigError(f"{setting.env_var}{shown} is not {expected}") from None
-    return given
-
-
-def _from_cli(cli: dict) -> dict[str, tuple[object, str]]:
-    given = {}
-    for name, value in cli.items():
-        if value is None:  # not given
-            continue
-        setting = _BY_NAME.get(name)
-        if setting is None:
-            raise ConfigError(f"unknown option {name!r}")
-        source = setting.flag or name
-        if not setting.has_type(value):
-            raise ConfigError(f"{source} must be {setting.kind_name}, got {value!r}")
-        if setting.kind is list:  # a repeated option, each maybe a comma-separated list
-            value = [part.strip() for item in value for part in item.split(",") if part.strip()]
-        given[name] = (value, source)
-    return given
 
 
 def default_threads(config: NodeConfig) -> int:

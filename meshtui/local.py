@@ -11,11 +11,12 @@ stops the rest. The kernel sends that signal when the *thread* that started the 
 ``start`` on an event loop running in the main thread (as ``App.run`` and ``asyncio.run`` do).
 
 Models: a Hugging Face folder is read as it is. A ``.gguf`` file goes to every node as it is, and each
-converts only its own layers; ``meshd fetch-model --model FILE --layer-count`` reads the layer count
-from its header first. Anything else (nothing: the built-in model; its name) goes to
-``meshd fetch-model [--model SPEC]``, which fetches the built-in model once per machine and says where
-the folder is; so the layer count comes from a ``config.json`` and every node loads the same
-converted folder instead of converting it again.
+converts only its own layers; ``meshd fetch-model --model FILE --layer-count --json`` reads the layer
+count from its header first. Anything else (nothing: the built-in model; its name) goes to
+``meshd fetch-model [--model SPEC] --json``, which fetches the built-in model once per machine and
+answers where the folder is; so the layer count comes from a ``config.json`` and every node loads the
+same converted folder instead of converting it again. The console reads fetch-model's answer from the
+JSON object it prints last, never from its prose, which goes to ``progress`` like any child's lines.
 
 The mesh token: the children get the console's token (``MESHNET_TOKEN`` or the config's ``token``)
 through their environment, never on their command line, where ``ps`` would show it; the console's
@@ -55,8 +56,6 @@ from meshtui.config import TOKEN_VARIABLE
 Progress = Callable[[str, str], None]
 
 READY_TIMEOUT_S = 300.0  # a first start on a slow machine imports torch and loads weights per node
-_READY_IN = re.compile(r"ready in (.+)$", re.MULTILINE)  # meshd fetch-model's last line names the folder
-_LAYER_COUNT = re.compile(r"has (\d+) layers$", re.MULTILINE)  # meshd fetch-model --layer-count's answer
 
 
 class LocalMeshError(RuntimeError):
@@ -254,14 +253,16 @@ class LocalMesh:
 
     # -- inside start ---------------------------------------------------------------------------
 
-    def _spawn(self, label: str, args: list[str], *, report_exit: bool = True) -> MeshdProcess:
-        """``meshd ARGS`` whose lines reach ``progress`` under ``label`` (and its log file, with a log_dir)."""
+    def _spawn(self, label: str, args: list[str], *, report_exit: bool = True,
+               on_line: Callable[[str], None] | None = None) -> MeshdProcess:
+        """``meshd ARGS`` whose lines reach ``progress`` under ``label``, or ``on_line`` when given (and its
+        log file, with a log_dir)."""
         log_path = self.log_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "-", label) + ".log") if self.log_dir else None
         with self._stop_lock:
             if self._stopping:
                 raise LocalMeshError("the local mesh is stopping")
             child = MeshdProcess(args, label=label, env=self.child_env, log_path=log_path,
-                                 on_line=partial(self._deliver, label),
+                                 on_line=on_line or partial(self._deliver, label),
                                  on_exit=partial(self._report_exit, label) if report_exit else None)
             self._children.append(child)
         return child
@@ -287,22 +288,37 @@ class LocalMesh:
             return str(folder), model_num_layers(folder)
         gguf = Path(self.model).expanduser() if self.model is not None else None
         if gguf is not None and gguf.is_file() and gguf.suffix.lower() == ".gguf":
-            output = await self._fetch_model(["--model", str(gguf), "--layer-count"], _LAYER_COUNT)
-            return str(gguf.resolve()), int(_LAYER_COUNT.findall(output)[-1])
-        output = await self._fetch_model(["--model", self.model] if self.model is not None else [], _READY_IN)
-        folder = Path(_READY_IN.findall(output)[-1].strip())
+            layers = await self._fetch_model(["--model", str(gguf), "--layer-count"], "layers", int)
+            return str(gguf.resolve()), layers
+        spec = ["--model", self.model] if self.model is not None else []
+        folder = Path(await self._fetch_model(spec, "folder", str))
         return str(folder), model_num_layers(folder)
 
-    async def _fetch_model(self, args: list[str], answer: re.Pattern) -> str:
-        """The output of ``meshd fetch-model ARGS``, which must end well and contain ``answer``."""
-        child = self._spawn("model", ["fetch-model", *args], report_exit=False)
+    async def _fetch_model(self, args: list[str], key: str, kind: type):
+        """``key`` of the answer of ``meshd fetch-model ARGS --json``, which must end well and answer it."""
+        answers: list[dict] = []
+        child = self._spawn("model", ["fetch-model", *args, "--json"], report_exit=False,
+                            on_line=partial(self._take_answer, answers))
         while child.poll() is None:
             await asyncio.sleep(0.1)
-        output = child.last_output()
-        if child.returncode != 0 or not answer.search(output):
+        output = child.last_output()  # also lets the reader take in the last lines
+        answer = answers[-1].get(key) if answers else None
+        if child.returncode != 0 or type(answer) is not kind:
             what = "fetching the built-in model" if self.model is None else f"preparing the model {self.model}"
             raise LocalMeshError(f"{what} failed ({describe_returncode(child.returncode)}):\n{output}")
-        return output
+        return answer
+
+    def _take_answer(self, answers: list[dict], line: str) -> None:
+        """A line of fetch-model: its JSON answer is kept, anything else is progress (reader thread)."""
+        if line.startswith("{"):
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                answer = None
+            if isinstance(answer, dict):
+                answers.append(answer)
+                return
+        self._deliver("model", line)
 
     async def _plan_layers(self, num_layers: int, progress: Progress) -> list[str]:
         """Inclusive ranges, one per node: as given, split evenly, or (head only) what peers leave."""

@@ -28,7 +28,7 @@ def main() -> int:
 
     import torch
 
-    from daemon.api.launch import cpu_name
+    from daemon.host import cpu_name
     from daemon.model import kernels
     from daemon.model.shard import ModelShard, read_model_info
     from daemon.model.source import fetch_default_model

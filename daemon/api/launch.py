@@ -21,7 +21,6 @@ from __future__ import annotations
 import http.client
 import importlib.util
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -55,23 +54,6 @@ def node_url(host: str, port: int) -> str:
     address goes in brackets (``node_url("::1", 7070) == "http://[::1]:7070"``)."""
     host = LOOPBACK if host in ("", "0.0.0.0") else "::1" if host == "::" else host
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def host_cores() -> int:
-    """The cores this process may run on (its affinity, not the machine's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def cpu_name() -> str:
-    """This host's CPU model as the kernel names it (``/proc/cpuinfo``), else what Python knows of it."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def missing_node_packages() -> list[str]:

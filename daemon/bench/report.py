@@ -7,7 +7,7 @@ import platform
 from collections.abc import Sequence
 from pathlib import Path
 
-from daemon.api.launch import cpu_name, host_cores
+from daemon.host import cpu_name, host_cores
 
 WINDOW = 10  # steps in the first-N and last-N throughput windows
 

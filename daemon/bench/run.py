@@ -26,13 +26,13 @@ import os
 import statistics
 from pathlib import Path
 
-from daemon.api.launch import host_cores
 from daemon.bench.floor import loopback_floor
 from daemon.bench.mesh import Mesh, paired_sessions
 from daemon.bench.progress import say
 from daemon.bench.reference import Reference
 from daemon.bench.report import check_targets, machine, print_table, window_tps
 from daemon.bench.reuse import REUSE_BY_USER, USER_TURNS, client_messages, clients_at_once, multiturn_chat
+from daemon.host import host_cores
 
 SETUPS = ("generate", "cached", "stateless", "three", "multiturn", "shared-prefix")
 PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from daemon.api.launch import host_cores
+from daemon.host import host_cores
 
 RESCAN_SECONDS = 1.0  # how often the folder is listed for daemons that came or went
 

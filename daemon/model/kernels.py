@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from daemon.api.launch import cpu_name
+from daemon.host import cpu_name
 
 log = logging.getLogger(__name__)
 

@@ -51,14 +51,46 @@ def test_version_and_python_dash_m():
     assert result.returncode == 0 and result.stdout.startswith("meshtui ")
 
 
-@pytest.mark.parametrize("text, expected", [
+@pytest.fixture
+def meshtui_main(monkeypatch, capsys):
+    """``meshtui_main(*args, env={...})`` -> (exit code, stdout, stderr): the console's ``main`` run in this
+    process, for what it refuses before anything starts."""
+    from meshtui.cli import main
+
+    def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+BAD_CONFIG_FILES = [
     ("peers = [", "meshtui.toml"),  # not TOML at all
     ("peers = 3\n", "peers must be a list"),
     ("colour = 'red'\n", "unknown keys"),
     ("token = 'short'\n", "token must be 16-256 printable ASCII characters"),
     ("system_prompt = 3\n", "system_prompt must be a string"),
-])
-def test_a_bad_config_file_is_one_line_and_exit_2(tmp_path, text, expected):
+]
+
+
+@pytest.mark.parametrize("text, expected", BAD_CONFIG_FILES)
+def test_a_bad_config_file_is_one_line_and_exit_2(tmp_path, meshtui_main, text, expected):
+    path = tmp_path / "meshtui.toml"
+    path.write_text(text)
+    returncode, stdout, stderr = meshtui_main("--config", str(path))
+    assert returncode == 2
+    assert stderr.startswith("meshtui: error: ") and expected in stderr
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr
+    assert stdout == ""
+
+
+def test_a_bad_config_file_ends_the_meshtui_process_with_one_line(tmp_path):
+    # the cases above run main() in this process; this one runs the installed command, from start to exit
+    text, expected = BAD_CONFIG_FILES[0]
     path = tmp_path / "meshtui.toml"
     path.write_text(text)
     result = meshtui("--config", str(path))
@@ -82,18 +114,19 @@ def test_the_mesh_token_comes_from_the_environment_else_the_config_file(tmp_path
     assert config.path.stat().st_mode & 0o077 == 0
 
 
-def test_a_bad_mesh_token_in_the_environment_is_exit_2(tmp_path):
-    result = meshtui("--config", str(tmp_path / "meshtui.toml"), "--connect", "127.0.0.1:9",
-                     env={"MESHNET_TOKEN": "short"})
-    assert result.returncode == 2 and result.stderr.startswith("meshtui: error: MESHNET_TOKEN must be")
+def test_a_bad_mesh_token_in_the_environment_is_exit_2(tmp_path, meshtui_main, monkeypatch):
+    monkeypatch.delenv("MESHNET_API_KEY", raising=False)  # it would win over MESHNET_TOKEN
+    returncode, _, stderr = meshtui_main("--config", str(tmp_path / "meshtui.toml"), "--connect", "127.0.0.1:9",
+                                         env={"MESHNET_TOKEN": "short"})
+    assert returncode == 2 and stderr.startswith("meshtui: error: MESHNET_TOKEN must be")
 
 
-def test_options_that_do_not_fit_are_exit_2_before_anything_starts(tmp_path):
+def test_options_that_do_not_fit_are_exit_2_before_anything_starts(tmp_path, meshtui_main):
     config = tmp_path / "meshtui.toml"  # absent: the defaults, no peers
-    result = meshtui("--config", str(config), "--connect", "127.0.0.1:9", "--nodes", "3")
-    assert result.returncode == 2 and "--connect starts nothing, so --nodes" in result.stderr
-    result = meshtui("--config", str(config), "--layers", "0-14")
-    assert result.returncode == 2 and "--layers" in result.stderr
+    returncode, _, stderr = meshtui_main("--config", str(config), "--connect", "127.0.0.1:9", "--nodes", "3")
+    assert returncode == 2 and "--connect starts nothing, so --nodes" in stderr
+    returncode, _, stderr = meshtui_main("--config", str(config), "--layers", "0-14")
+    assert returncode == 2 and "--layers" in stderr
     assert not config.exists()
 
 

@@ -281,6 +281,21 @@ async def test_a_model_that_cannot_be_had_raises_with_meshds_message(tmp_path):
     assert local.processes == []
 
 
+async def test_the_model_and_its_layer_count_come_from_fetch_model_s_json_answer(default_model):
+    from daemon.model.source import default_gguf_path
+
+    gguf = default_gguf_path()  # the built-in model's own GGUF: fetch-model reads its layer count from the header
+    for model, expected in ((str(gguf), (str(gguf.resolve()), 30)), (None, (str(default_model), 30))):
+        progress = Progress()
+        local = LocalMesh(model=model)
+        local._loop, local._progress = asyncio.get_running_loop(), progress  # as start() sets them
+        assert await local._model_source() == expected
+        await asyncio.sleep(0.1)  # the reader thread hands its lines over through the event loop
+        lines = progress.of("model")
+        assert lines and not [line for line in lines if line.startswith("{")]  # the answer is not progress
+    assert lines[-1] == f"meshd: the built-in model is ready in {default_model}"  # the prose still shows
+
+
 ORPHAN_SCRIPT = """
 import asyncio, json, sys
 from meshtui.local import LocalMesh

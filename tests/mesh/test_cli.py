@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli import _serve_parser
+from daemon.cli import _serve_parser, main
 from daemon.config import SETTINGS, load_config
 
 
@@ -39,30 +41,56 @@ def test_layers_outside_the_model_are_refused(tiny_model):
     assert "Traceback" not in result.stderr
 
 
-def test_a_bad_environment_value_names_the_variable(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "daemon.cli"], capture_output=True, text=True, timeout=60,
-                            env={"PATH": "/usr/bin:/bin", "MESHNET_PORT": "seventy", "HOME": str(tmp_path)})
-    assert result.returncode == 2 and "MESHNET_PORT" in result.stderr
+@pytest.fixture
+def meshd_main(tmp_path, monkeypatch, capsys):
+    """``meshd_main(*args, env={...})`` -> (exit code, stderr): meshd's ``main`` run in this process, with only
+    ``env`` of the MESHNET_* variables set and no config file, as a clean shell would run it."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+        for name in [name for name in os.environ if name.startswith("MESHNET_")]:
+            monkeypatch.delenv(name)
+        monkeypatch.setenv("HOME", str(tmp_path))
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / ".config"))
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        code = main(list(args))
+        return code, capsys.readouterr().err
+
+    return run
+
+
+def test_a_bad_environment_value_names_the_variable(meshd_main):
+    returncode, stderr = meshd_main(env={"MESHNET_PORT": "seventy"})
+    assert returncode == 2 and "MESHNET_PORT" in stderr
 
 
 @pytest.mark.parametrize("env", [{"MESHNET_LOG_LEVEL": "verbose"}, {"MESHNET_KV_TTL_SECONDS": "0"},
                                  {"MESHNET_KV_MAX_SESSIONS": "0"}, {"MESHNET_PORT": "65536"}])
-def test_a_bad_environment_value_is_one_line_not_a_traceback(tmp_path, env):
-    result = subprocess.run([sys.executable, "-m", "daemon.cli"], capture_output=True, text=True, timeout=60,
-                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **env})
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    assert result.stderr.startswith("meshd: error: ") and result.stderr.count("\n") == 1, result.stderr
-    assert next(iter(env)) in result.stderr
+def test_a_bad_environment_value_is_one_line_not_a_traceback(meshd_main, env):
+    returncode, stderr = meshd_main(env=env)
+    assert returncode == 2
+    assert "Traceback" not in stderr
+    assert stderr.startswith("meshd: error: ") and stderr.count("\n") == 1, stderr
+    assert next(iter(env)) in stderr
 
 
 @pytest.mark.parametrize("args", [["--kv-ttl", "nan"], ["--port", "0"], ["--layers", "9-2"], ["--peer", "ftp://x"]])
-def test_a_bad_option_value_is_one_line_not_a_traceback(tmp_path, args):
-    result = subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True, timeout=60,
-                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+def test_a_bad_option_value_is_one_line_not_a_traceback(meshd_main, args):
+    returncode, stderr = meshd_main(*args)
+    assert returncode == 2
+    assert "Traceback" not in stderr
+    assert stderr.startswith(f"meshd: error: {args[0]} ") and stderr.count("\n") == 1, stderr
+
+
+def test_a_bad_value_ends_the_meshd_process_with_one_line_and_no_traceback(tmp_path):
+    # the cases above run main() in this process; this one runs the real command, from start to exit
+    result = subprocess.run([sys.executable, "-m", "daemon.cli"], capture_output=True, text=True, timeout=60,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MESHNET_PORT": "65536"})
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert result.stderr.startswith(f"meshd: error: {args[0]} ") and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("meshd: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "MESHNET_PORT" in result.stderr
 
 
 def test_every_meshd_option_comes_from_the_config_table():
@@ -167,3 +195,29 @@ def test_meshd_runs_on_uvloop_unless_told_otherwise(monkeypatch):
     assert loop_factory() is uvloop.new_event_loop
     monkeypatch.setenv("MESHNET_EVENT_LOOP", "asyncio")
     assert loop_factory() is None  # asyncio's own loop, to compare the two
+
+
+# ---- meshd fetch-model --json: the answer programs (the console's local mesh) read -------------------
+
+
+def test_fetch_model_json_answers_the_folder_and_still_tells_people(default_model, capsys):
+    folder = default_model.resolve()
+    assert main(["fetch-model", "--model", str(folder), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("\n") == 1 and json.loads(out) == {"folder": str(folder)}
+    assert f"meshd: the model is ready in {folder}\n" in err
+
+
+def test_fetch_model_json_answers_a_gguf_s_layer_count(default_model, capsys):
+    from daemon.model.source import default_gguf_path
+
+    gguf = default_gguf_path()  # the built-in model's own GGUF, kept once it was fetched
+    assert main(["fetch-model", "--model", str(gguf), "--layer-count", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("\n") == 1 and json.loads(out) == {"layers": 30}
+    assert err.endswith(f"meshd: {gguf.name} has 30 layers\n")
+
+
+def test_fetch_model_without_json_says_it_only_in_prose(default_model, capsys):
+    assert main(["fetch-model", "--model", str(default_model)]) == 0
+    assert capsys.readouterr().out == ""

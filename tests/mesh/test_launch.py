@@ -24,7 +24,6 @@ from daemon.api.launch import (
     MeshdProcess,
     describe_returncode,
     free_port,
-    host_cores,
     node_url,
     stop_all,
 )
@@ -101,12 +100,6 @@ def test_normalize_url(given, url):
 def test_normalize_url_refuses_an_empty_address(given):
     with pytest.raises(ValueError, match="empty address"):
         normalize_url(given)
-
-
-def test_host_cores_are_this_process_s_affinity():
-    assert 1 <= host_cores() <= (os.cpu_count() or 1)
-    if hasattr(os, "sched_getaffinity"):
-        assert host_cores() == len(os.sched_getaffinity(0))
 
 
 @pytest.mark.parametrize("code, text", [

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from daemon import config as config_module
+from daemon import host
 from daemon.api import format_layers, parse_layers
-from daemon.config import DEFAULT_PORT, SETTINGS, ConfigError, NodeConfig, default_threads, load_config
+from daemon.config import DEFAULT_PORT, SETTINGS, NodeConfig, default_threads, load_config
+from daemon.settings import ConfigError
 
 
 @pytest.fixture
@@ -407,7 +409,7 @@ def test_kv_cache_words(no_file, raw, expected):
 @pytest.fixture
 def cores(monkeypatch):
     def set_cores(n: int) -> None:
-        monkeypatch.setattr(config_module.os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
+        monkeypatch.setattr(host.os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
 
     return set_cores
 
@@ -437,7 +439,7 @@ def test_default_threads_never_below_one(cores):
 
 def test_default_threads_uses_affinity_not_cpu_count(cores, monkeypatch):
     cores(3)
-    monkeypatch.setattr(config_module.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(host.os, "cpu_count", lambda: 64)
     assert default_threads(NodeConfig()) == 3
 
 

@@ -1,4 +1,5 @@
-"""Sharing a host's cores among co-located daemons (``daemon.model.cores``), and activation bytes.
+"""The host's cores (``daemon.host``), sharing them among co-located daemons (``daemon.model.cores``),
+and activation bytes.
 
 Several :class:`CoreShare` objects in one process stand for several daemons: each
 registers its own file, exactly as separate processes do.
@@ -11,6 +12,7 @@ import os
 import pytest
 import torch
 
+from daemon.host import cpu_name, host_cores
 from daemon.model.cores import CoreShare
 from daemon.model.tensors import as_sent, to_activation, to_tensor
 
@@ -105,3 +107,13 @@ def test_the_cores_folder_is_per_user(monkeypatch):
     assert f"meshnet-{os.getuid()}" in str(default_folder())
     monkeypatch.setenv("MESHNET_CORES_DIR", "/somewhere")
     assert str(default_folder()) == "/somewhere"
+
+
+def test_host_cores_are_this_process_s_affinity():
+    assert 1 <= host_cores() <= (os.cpu_count() or 1)
+    if hasattr(os, "sched_getaffinity"):
+        assert host_cores() == len(os.sched_getaffinity(0))
+
+
+def test_the_cpu_has_a_name():
+    assert cpu_name().strip()

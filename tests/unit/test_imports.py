@@ -2,9 +2,10 @@
 knows the daemon only through ``daemon.api``.
 
 Every import counts, at the top of a module or inside a function (a lazy import still ties two
-modules together). Layers of the daemon, lowest first (DESIGN.md: ``server -> mesh -> model``):
+modules together). Layers of the daemon, lowest first (``docs/architecture.md``: ``server -> mesh -> model``):
 
-    daemon.api, errors, logs    shapes and vocabulary, used everywhere
+    daemon.api, errors, logs    shapes and vocabulary, used everywhere; with them,
+      host, settings            this machine's cores and CPU name, and the engine config.py's settings run on
     wire, kvstore, metrics, config
     model                       torch: the shard, the /forward step
     mesh                        the head: routes, the generation loop
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("daemon", "meshtui")
 
 LAYERS = [
-    ("daemon", "daemon.api", "daemon.errors", "daemon.logs"),
+    ("daemon", "daemon.api", "daemon.errors", "daemon.logs", "daemon.host", "daemon.settings"),
     ("daemon.wire", "daemon.kvstore", "daemon.metrics", "daemon.config"),
     ("daemon.model",),
     ("daemon.mesh",),
