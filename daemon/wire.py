@@ -1,4 +1,4 @@
-"""The /forward wire protocol (ADR-0022), with no torch and no HTTP framework.
+"""The /forward wire protocol (docs/adr/0022-sessions-and-cache-misses.md), with no torch and no HTTP framework.
 
 A request body is the raw little-endian bytes of a ``[1, T, hidden]`` activation;
 its dtype and shape travel in headers. Nothing from the network is ever

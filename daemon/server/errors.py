@@ -29,7 +29,7 @@ async def read_json(request: web.Request):
 
 def error_response(exc: MeshError) -> web.Response:
     if isinstance(exc, CacheMiss):
-        # ADR-0022's shape, which heads match on: {"error": "cache_miss", "reason": ...}
+        # The shape heads match on (docs/adr/0022-sessions-and-cache-misses.md): {"error": "cache_miss", "reason": ...}
         body = {"error": "cache_miss", "reason": exc.reason, "message": exc.message}
     else:
         body = error_body(exc.message, type=exc.type, code=exc.code, param=exc.param)
