@@ -2,11 +2,9 @@
 ``forward`` runs them.
 
 A shard builds the full model skeleton with every parameter on the ``meta``
-device (no memory), then materialises only what it needs from the checkpoint:
-its own decoder layers, the embeddings where it acts as head, and the final
-norm and LM head where it is the tail. Loading goes through transformers' own
-weight conversion, so checkpoints whose layout differs from the module layout
-(fused MoE experts in transformers 5) load exactly as ``from_pretrained`` would.
+device (no memory), then materialises only what it needs from the checkpoint
+(:mod:`daemon.model.checkpoint`): its own decoder layers, the embeddings where it
+acts as head, and the final norm and LM head where it is the tail.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,8 +30,9 @@ from daemon.model.batching import (
     batching_refusal,
     head_rows,
 )
+from daemon.model.checkpoint import buffers_to_device, build_skeleton, load_parts, read_model_info
 from daemon.model.kvcache import GrowingLayer
-from daemon.model.quantize import parameter_bytes, quantize_layers
+from daemon.model.quantize import parameter_bytes
 from daemon.model.sampling import choose_token
 from daemon.model.tokenizer import ChatTokenizer
 from daemon.wire import History
@@ -57,34 +55,6 @@ _UNSHARDABLE_FEATURES = {
     "hidden_size_per_layer_input": "its layers take per-layer embeddings of the token ids",
     "num_kv_shared_layers": "its last layers reuse keys and values computed by earlier layers",
 }
-
-# Checkpoint keys of the text model, plain ("model.layers.3.") or beside a vision tower
-# ("model.language_model.layers.3.", or "language_model.model.layers.3." as Gemma 3 saves it); a tower's
-# own blocks and norms and a multi-token-prediction head ("mtp.layers.0.") are never read
-_TEXT_MODEL = r"^(?:model\.)?(?:language_model\.)?(?:model\.)?"
-_LAYER_KEY = re.compile(_TEXT_MODEL + r"layers\.(\d+)\.")
-_EMBED_KEY = re.compile(_TEXT_MODEL + r"embed_tokens\.")
-_NORM_KEY = re.compile(_TEXT_MODEL + r"norm\.(?:weight|bias)$")
-_LM_HEAD_KEY = re.compile(r"^(?:language_model\.)?lm_head\.")
-# the text model of a multimodal checkpoint loads as a causal LM's own model (Qwen 3.5 declares this renaming
-# itself, Gemma 3 and 4 do not)
-_TEXT_MODEL_RENAMING = {
-    r"^model\.language_model\.": "model.",
-    r"^language_model\.model\.": "model.",
-    r"^language_model\.lm_head\.": "lm_head.",
-}
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What peers must agree on to serve one model together."""
-
-    name: str
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    fingerprint: str
 
 
 @dataclass
@@ -109,35 +79,6 @@ class StepResult:
     text: str | None = None
     logprob: float | None = None  # when the sampling asks for them
     top_logprobs: list[tuple[int, float]] | None = None
-
-
-def read_model_info(folder: Path, config=None) -> ModelInfo:
-    """Read the identity of the model in ``folder`` (whose parsed ``config`` may be given) without weights."""
-    import hashlib
-
-    from transformers import AutoConfig
-
-    config_bytes = (folder / "config.json").read_bytes()
-    config = config or AutoConfig.from_pretrained(folder)
-    text = getattr(config, "text_config", None) or config
-    return ModelInfo(
-        name=folder.name,
-        model_type=config.model_type,
-        num_layers=text.num_hidden_layers,
-        hidden_size=text.hidden_size,
-        vocab_size=text.vocab_size,
-        fingerprint=hashlib.sha256(config_bytes).hexdigest()[:16],
-    )
-
-
-def read_context_length(folder: Path) -> int:
-    """The most positions the model in ``folder`` takes, as a node enforces it (``ShardService.context_length``)."""
-    from transformers import AutoConfig
-
-    from daemon.wire import MAX_SEQUENCE
-
-    text = AutoConfig.from_pretrained(folder).get_text_config()
-    return getattr(text, "max_position_embeddings", None) or MAX_SEQUENCE
 
 
 class ModelShard:
@@ -185,14 +126,14 @@ class ModelShard:
             )
         self._refuse_unsupported(config)
         self._head_lock = threading.Lock()
-        self.model = self._build_skeleton()
+        self.model = build_skeleton(self.config, dtype, self.info.model_type)
         rotary_params = inspect.signature(self.model.model.rotary_emb.forward).parameters
         self._rotary_per_type = "layer_type" in rotary_params
         layer_params = inspect.signature(type(self.model.model.layers[0]).forward).parameters
         self._layers_share_kv = "shared_kv_states" in layer_params
         # with ``quantize``, the node's own layers only: embeddings and LM head stay as loaded
-        self._load_tensors(self._wanted_parts(head=head), quantize=quantize)
-        self._buffers_to_device()
+        self._load(self._wanted_parts(head=head), quantize=quantize)
+        buffers_to_device(self.model, self.device)
         self._layers = tuple(self.model.model.layers)  # indexing a tuple, not a ModuleList, in the step loop
         self._attention_configs = attention_configs(self._layers[start:end])  # switched for batched steps
         # the head turns chats into ids, the tail names its token
@@ -233,26 +174,6 @@ class ModelShard:
         # Mistral-style configs without layer_types use one sliding window on every layer
         return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
 
-    def _build_skeleton(self) -> torch.nn.Module:
-        from accelerate import init_empty_weights
-        from transformers import AutoModelForCausalLM
-
-        try:
-            with init_empty_weights():  # parameters on meta, buffers (rotary inv_freq) real
-                model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
-        except ValueError:  # transformers' message lists every causal LM config class, over several lines
-            raise ModelUnavailable(
-                f"unsupported architecture {self.info.model_type!r}: not a causal language model "
-                f"(transformers has no causal LM class for {type(self.config).__name__})"
-            ) from None
-        base = getattr(model, "model", None)
-        missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, a)]
-        if missing or not hasattr(model, "lm_head"):
-            raise ModelUnavailable(
-                f"unsupported architecture {self.info.model_type!r}: its decoder lacks {missing or ['lm_head']}"
-            )
-        return model.eval()
-
     def _wanted_parts(self, *, head: bool) -> set[str]:
         parts = {"layers"}
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
@@ -262,96 +183,15 @@ class ModelShard:
             parts |= {"norm", "lm_head"}
         return parts
 
-    def _checkpoint_part(self, key: str) -> str | None:
-        if m := _LAYER_KEY.match(key):
-            return "layers" if self.start <= int(m.group(1)) < self.end else None
-        if _EMBED_KEY.match(key):
-            return "embed"
-        if _LM_HEAD_KEY.match(key):
-            return "lm_head"
-        if _NORM_KEY.match(key):
-            return "norm"
-        return None
-
-    def _load_tensors(self, parts: set[str], *, quantize: str | None = None) -> None:
-        from safetensors import safe_open
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import convert_and_load_state_dict_in_model
-        from transformers.modeling_utils import LoadStateDictConfig
-
-        files = sorted(self.folder.glob("*.safetensors"))
-        if not files:
-            raise ModelUnavailable(f"no *.safetensors weights in {self.folder}")
-        groups: dict[str, dict[Path, list[str]]] = {}  # a layer ("7") or another part -> file -> its keys
-        for file in files:
-            for key in safe_open(str(file), framework="pt", device=str(self.device)).keys():
-                part = self._checkpoint_part(key)
-                if part in parts:
-                    layer = _LAYER_KEY.search(key)
-                    groups.setdefault(layer.group(1) if layer else part, {}).setdefault(file, []).append(key)
-        config = LoadStateDictConfig(
-            dtype=self.dtype,
-            weight_mapping=get_model_conversion_mapping(self.model, _TEXT_MODEL_RENAMING, None),
-            device_map={"": str(self.device)},
-        )
-        # A layer at a time, from files mapped for it alone, quantized as soon as it is in: a mapped file's pages
-        # count in this process's memory while mapped, so a node converting float32 weights to bfloat16 or int8
-        # would otherwise peak at the float32 bytes of all its layers on top of what it keeps.
-        for group, keys_by_file in _quiet_progress(groups.items()):
-            handles = {file: safe_open(str(file), framework="pt", device=str(self.device)) for file in keys_by_file}
-            state_dict = {key: handles[file].get_slice(key) for file, keys in keys_by_file.items() for key in keys}
-            # transformers' own loader: renames and fuses checkpoint tensors (MoE experts, qkv) as
-            # from_pretrained does; a slice is read (and cast) only here
-            info, _ = convert_and_load_state_dict_in_model(self.model, state_dict, config)
-            if info.conversion_errors or info.error_msgs:
-                problems = info.conversion_errors or info.error_msgs
-                raise ModelUnavailable(f"could not load weights from {self.folder}: {problems}")
-            del handles, state_dict
-            if quantize and group.isdigit():
-                layer = self.model.model.layers[int(group)]
-                quantize_layers([layer], quantize)
-                for parameter in layer.parameters():  # what was not quantized lets go of the file's mapping
-                    if type(parameter.data) is torch.Tensor:
-                        parameter.data = parameter.data.clone()
-        if "lm_head" in parts and self.model.lm_head.weight.device.type == "meta":
-            # no LM head in the checkpoint: it is tied to the embeddings, even where a multimodal checkpoint's
-            # text config does not say so (Gemma 4 ties in its top-level config only)
-            if self.model.model.embed_tokens.weight.device.type == "meta":
-                self._load_tensors({"embed"})
-            self.model.lm_head.weight = self.model.model.embed_tokens.weight
-        self._check_loaded(parts)
-
-    def _buffers_to_device(self) -> None:
-        """Buffers the skeleton made for real (rotary frequencies) join the weights on the device."""
-        for module in self.model.modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer.device.type != "meta" and buffer.device != self.device:
-                    setattr(module, name, buffer.to(self.device))  # stays a buffer, persistent or not
-
-    def _modules_for(self, parts: set[str]) -> dict[str, torch.nn.Module]:
-        base = self.model.model
-        modules: dict[str, torch.nn.Module] = {}
-        if "layers" in parts:
-            modules.update({f"layer {i}": base.layers[i] for i in range(self.start, self.end)})
-        if "embed" in parts:
-            modules["embeddings"] = base.embed_tokens
-        if "norm" in parts:
-            modules["final norm"] = base.norm
-        if "lm_head" in parts:
-            modules["LM head"] = self.model.lm_head
-        return modules
-
-    def _check_loaded(self, parts: set[str]) -> None:
-        for what, module in self._modules_for(parts).items():
-            on_meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
-            if on_meta:
-                raise ModelUnavailable(f"the checkpoint in {self.folder} lacks weights of {what}: {on_meta[:4]}")
+    def _load(self, parts: set[str], *, quantize: str | None = None) -> None:
+        load_parts(self.model, self.folder, parts, layers=range(self.start, self.end), dtype=self.dtype,
+                   device=self.device, quantize=quantize)
 
     def ensure_head(self) -> None:
         """Load the embeddings and tokenizer on first use as head (a no-op once loaded)."""
         with self._head_lock:
             if self.model.model.embed_tokens.weight.device.type == "meta":
-                self._load_tensors({"embed"})
+                self._load({"embed"})
             if self.tokenizer is None:
                 self.tokenizer = ChatTokenizer.load(self.folder, self.config)
 
@@ -663,20 +503,6 @@ class ModelShard:
             log.warning("cache probe failed: %s", exc)
             return False
         return cache_nbytes(cache) > 0
-
-
-def _quiet_progress(items):
-    """Iterate with transformers' per-call "Loading weights" bar switched off: one bar per layer is noise in a
-    node's log; the node says itself what it loaded and how long it took."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield from items
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def cache_nbytes(cache) -> int:
