@@ -2,7 +2,7 @@
 part holds, and loading the parts a shard wants.
 
 - Key rules: :data:`LAYER_KEY` and its siblings, and :func:`checkpoint_part`.
-- Identity: :func:`read_model_info` and :func:`read_context_length`, from the config alone.
+- Identity: :func:`read_model_info` and :func:`context_length` (or :func:`read_context_length`), from the config alone.
 - Headers: values per part from the JSON header of each ``.safetensors`` file, or a GGUF file's tensor
   table, with no tensor data read; parts are named as :mod:`daemon.model.footprint` counts them
   (``layer N``, ``embeddings``, ``final norm``, ``LM head``).
@@ -97,12 +97,17 @@ def read_model_info(folder: Path, config=None) -> ModelInfo:
     )
 
 
+def context_length(text_config) -> int:
+    """The most positions a model with this text config takes, as a node enforces it: the config's own, else the
+    wire's bound."""
+    return getattr(text_config, "max_position_embeddings", None) or MAX_SEQUENCE
+
+
 def read_context_length(folder: Path) -> int:
-    """The most positions the model in ``folder`` takes, as a node enforces it (``ShardService.context_length``)."""
+    """The most positions the model in ``folder`` takes (:func:`context_length`), read from its config alone."""
     from transformers import AutoConfig
 
-    text = AutoConfig.from_pretrained(folder).get_text_config()
-    return getattr(text, "max_position_embeddings", None) or MAX_SEQUENCE
+    return context_length(AutoConfig.from_pretrained(folder).get_text_config())
 
 
 # ---- headers -----------------------------------------------------------------------------------

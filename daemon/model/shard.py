@@ -28,7 +28,7 @@ from daemon.api import Sampling
 from daemon.errors import BadRequest, CacheMiss, ModelUnavailable
 from daemon.kvstore import SessionCacheStore
 from daemon.model.batching import batching_refusal
-from daemon.model.checkpoint import buffers_to_device, build_skeleton, load_parts, read_model_info
+from daemon.model.checkpoint import buffers_to_device, build_skeleton, context_length, load_parts, read_model_info
 from daemon.model.kvcache import cache_nbytes, cut_back
 from daemon.model.layers import MASK_BUILDERS, DecoderLayers
 from daemon.model.quantize import parameter_bytes
@@ -105,6 +105,7 @@ class ModelShard(DecoderLayers):
             )
         self.dtype, self.device = dtype, torch.device(device)
         self.is_tail = end == n
+        self.context_length = context_length(text)  # the most positions a step may reach
         layer_types: list[str] = list(getattr(text, "layer_types", None) or [_default_layer_type(text)] * n)
         unknown = sorted(set(layer_types[start:end]) - set(MASK_BUILDERS))
         if unknown:
