@@ -174,8 +174,8 @@ def load_node(argv: list[str]):
     except ModelUnavailable as exc:
         raise Refused(exc.message) from None
     from daemon.api import format_layers, parse_layers
+    from daemon.model.checkpoint import read_context_length, read_model_info
     from daemon.model.gguf_convert import gguf_layer_count
-    from daemon.model.shard import read_context_length, read_model_info
     from daemon.model.source import gguf_model_file, gguf_range_folder, resolve_model
     from daemon.model.tokenizer import check_chat_template
     from daemon.node import Node

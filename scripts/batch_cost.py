@@ -119,7 +119,7 @@ def measure(folder: Path, sessions: int, rounds: int, dtype: str, quantize: str 
 
 
 def _layers(folder: Path) -> int:
-    from daemon.model.shard import read_model_info
+    from daemon.model.checkpoint import read_model_info
 
     return read_model_info(folder).num_layers
 

@@ -30,7 +30,8 @@ def main() -> int:
 
     from daemon.host import cpu_name
     from daemon.model import kernels
-    from daemon.model.shard import ModelShard, read_model_info
+    from daemon.model.checkpoint import read_model_info
+    from daemon.model.shard import ModelShard
     from daemon.model.source import fetch_default_model
 
     torch.set_num_threads(args.threads)

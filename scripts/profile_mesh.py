@@ -82,7 +82,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from daemon.model.shard import read_model_info
+    from daemon.model.checkpoint import read_model_info
     from daemon.model.source import resolve_model
 
     n = read_model_info(resolve_model(args.model)).num_layers

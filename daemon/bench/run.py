@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.clients < 1 or args.turn_tokens < 1:
         parser.error("--clients and --turn-tokens must be at least 1")
 
+    from daemon.model.checkpoint import read_model_info
     from daemon.model.device import checkpoint_dtype, dtype_name, resolve_device, resolve_dtype
-    from daemon.model.shard import read_model_info
     from daemon.model.source import resolve_model
 
     folder = resolve_model(args.model, progress=say)

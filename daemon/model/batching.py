@@ -34,7 +34,7 @@ a time (:func:`batching_refusal`).
 
 Exactness: rows of a batched matrix product are not bitwise those of single-row
 products (kernel blocking differs with the row count), so a batched step's logits
-can differ from a single step's by float rounding; ``tests/test_batching.py``
+can differ from a single step's by float rounding; ``tests/unit/test_batching.py``
 measures the difference and holds it to a bound. ``--max-batch 1`` runs every step
 alone.
 """
@@ -186,7 +186,7 @@ _register()
 # weight no faster than 1-3 rows do, two to three times over (on the built-in model's tail with 2 threads, layers
 # streamed between: 4 rows 14.8 ms, 8 rows 22.5, 12 rows 32.2, where 1 row takes 7.6 and 16 rows 15.8); the same
 # rows against slices of 512 outputs take 11.3, 14.0 and 17.1 ms. Like any batched product, a slice's rows round
-# differently from a single row's: tests/test_batching.py holds the logits of 4, 8 and 15 rows to its bound.
+# differently from a single row's: tests/unit/test_batching.py holds the logits of 4, 8 and 15 rows to its bound.
 SLICED_HEAD_ROWS = range(4, 16)
 HEAD_SLICE = 512
 

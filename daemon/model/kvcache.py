@@ -7,6 +7,9 @@ with the length of the generation. :class:`GrowingLayer` keeps keys and values
 in buffers with room to spare and writes each step's positions in place; the
 cache hands the layers views of the filled part, so attention sees exactly the
 same values (only their buffer is longer), and a step's cost stays flat.
+
+Beside it, what a node does with a session's cache as a whole: :func:`cut_back` keeps a prefix of it, and
+:func:`cache_nbytes` measures the bytes it holds.
 """
 
 from __future__ import annotations
@@ -135,3 +138,36 @@ def _prefix_copy(layer, keep: int):
     if isinstance(layer, DynamicSlidingWindowLayer):
         new.cumulative_length = keep
     return new
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes held by a cache object, whatever its layer types keep (K/V, conv or recurrent state).
+
+    Called after every step, so it looks only where caches keep tensors: in each layer's attributes,
+    directly or in a list, tuple or dict one level down. Memory is counted once per storage, so a
+    view (a growing layer's filled part, a sliding window) and its buffer are not counted twice.
+    """
+    seen: dict[int, int] = {}
+    held = 0
+    for layer in getattr(cache, "layers", ()):
+        if type(layer) is GrowingLayer:  # its buffers, read directly: a tenth of the walk below, per step
+            held += layer.held_bytes()
+            continue
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                _count_storage(value, seen)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    if isinstance(v, torch.Tensor):
+                        _count_storage(v, seen)
+            elif isinstance(value, dict):
+                for v in value.values():
+                    if isinstance(v, torch.Tensor):
+                        _count_storage(v, seen)
+    return held + sum(seen.values())
+
+
+def _count_storage(tensor: torch.Tensor, seen: dict[int, int]) -> None:
+    if not tensor.is_meta:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()

@@ -56,7 +56,7 @@ class ShardService:
         self.info = shard.info
         self.hidden_size = shard.info.hidden_size
         self.vocab_size = shard.info.vocab_size
-        self.context_length = getattr(shard.config, "max_position_embeddings", None) or wire.MAX_SEQUENCE
+        self.context_length = shard.context_length
         self.chat_template: str | None = None  # --chat-template's text, used instead of the model's
         self.kv_cache_enabled = kv_cache  # as configured; whether the layers take a cache is the shard's
         self.fixed_threads = threads

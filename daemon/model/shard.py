@@ -1,20 +1,22 @@
-"""A contiguous range of a causal LM's decoder layers, run the way the model's own
-``forward`` runs them.
+"""A node's shard: decoder layers ``[start, end)`` of a causal LM, what its roles need, and the /forward step
+protocol over them.
 
-A shard builds the full model skeleton with every parameter on the ``meta``
-device (no memory), then materialises only what it needs from the checkpoint:
-its own decoder layers, the embeddings where it acts as head, and the final
-norm and LM head where it is the tail. Loading goes through transformers' own
-weight conversion, so checkpoints whose layout differs from the module layout
-(fused MoE experts in transformers 5) load exactly as ``from_pretrained`` would.
+:class:`ModelShard` is the one object a node's service (:mod:`daemon.model.service`) uses. Built, it has
+loaded only what it needs (:mod:`daemon.model.checkpoint`): its own decoder layers, the embeddings where it
+acts as head, the final norm and LM head where it is the tail; and it has probed once what its layers allow
+(whether they take a cache, whether several sessions' decode steps run as one forward). Its steps:
+
+- :meth:`ModelShard.step`: prefill, decode (against the session's cache in the store) or stateless;
+- :meth:`ModelShard.step_batch`: one-position decode steps of several sessions as one forward;
+- on the tail, the token sampled from the last position's logits.
+
+The layer math itself (masks, rotary embeddings, the layers, logits) is :class:`daemon.model.layers.DecoderLayers`.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
-import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,31 +27,16 @@ import torch
 from daemon.api import Sampling
 from daemon.errors import BadRequest, CacheMiss, ModelUnavailable
 from daemon.kvstore import SessionCacheStore
-from daemon.model.batching import (
-    RECURRENT_LAYER_TYPES,
-    SessionBatch,
-    attention_configs,
-    batched_attention,
-    batching_refusal,
-    head_rows,
-)
-from daemon.model.kvcache import GrowingLayer
-from daemon.model.quantize import parameter_bytes, quantize_layers
+from daemon.model.batching import batching_refusal
+from daemon.model.checkpoint import buffers_to_device, build_skeleton, context_length, load_parts, read_model_info
+from daemon.model.kvcache import cache_nbytes, cut_back
+from daemon.model.layers import MASK_BUILDERS, DecoderLayers
+from daemon.model.quantize import parameter_bytes
 from daemon.model.sampling import choose_token
 from daemon.model.tokenizer import ChatTokenizer
 from daemon.wire import History
 
 log = logging.getLogger(__name__)
-
-# Which mask each attention type gets, as the models' own forwards build them.
-_MASK_BUILDERS = {
-    "full_attention": "create_causal_mask",
-    "sliding_attention": "create_sliding_window_causal_mask",
-    "chunked_attention": "create_chunked_causal_mask",
-    "linear_attention": "create_recurrent_attention_mask",
-    "mamba": "create_recurrent_attention_mask",
-    "conv": "create_recurrent_attention_mask",
-}
 
 # Config settings under which a layer needs more than the hidden states that travel between nodes
 _UNSHARDABLE_FEATURES = {
@@ -57,34 +44,6 @@ _UNSHARDABLE_FEATURES = {
     "hidden_size_per_layer_input": "its layers take per-layer embeddings of the token ids",
     "num_kv_shared_layers": "its last layers reuse keys and values computed by earlier layers",
 }
-
-# Checkpoint keys of the text model, plain ("model.layers.3.") or beside a vision tower
-# ("model.language_model.layers.3.", or "language_model.model.layers.3." as Gemma 3 saves it); a tower's
-# own blocks and norms and a multi-token-prediction head ("mtp.layers.0.") are never read
-_TEXT_MODEL = r"^(?:model\.)?(?:language_model\.)?(?:model\.)?"
-_LAYER_KEY = re.compile(_TEXT_MODEL + r"layers\.(\d+)\.")
-_EMBED_KEY = re.compile(_TEXT_MODEL + r"embed_tokens\.")
-_NORM_KEY = re.compile(_TEXT_MODEL + r"norm\.(?:weight|bias)$")
-_LM_HEAD_KEY = re.compile(r"^(?:language_model\.)?lm_head\.")
-# the text model of a multimodal checkpoint loads as a causal LM's own model (Qwen 3.5 declares this renaming
-# itself, Gemma 3 and 4 do not)
-_TEXT_MODEL_RENAMING = {
-    r"^model\.language_model\.": "model.",
-    r"^language_model\.model\.": "model.",
-    r"^language_model\.lm_head\.": "lm_head.",
-}
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What peers must agree on to serve one model together."""
-
-    name: str
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    fingerprint: str
 
 
 @dataclass
@@ -111,36 +70,7 @@ class StepResult:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
-def read_model_info(folder: Path, config=None) -> ModelInfo:
-    """Read the identity of the model in ``folder`` (whose parsed ``config`` may be given) without weights."""
-    import hashlib
-
-    from transformers import AutoConfig
-
-    config_bytes = (folder / "config.json").read_bytes()
-    config = config or AutoConfig.from_pretrained(folder)
-    text = getattr(config, "text_config", None) or config
-    return ModelInfo(
-        name=folder.name,
-        model_type=config.model_type,
-        num_layers=text.num_hidden_layers,
-        hidden_size=text.hidden_size,
-        vocab_size=text.vocab_size,
-        fingerprint=hashlib.sha256(config_bytes).hexdigest()[:16],
-    )
-
-
-def read_context_length(folder: Path) -> int:
-    """The most positions the model in ``folder`` takes, as a node enforces it (``ShardService.context_length``)."""
-    from transformers import AutoConfig
-
-    from daemon.wire import MAX_SEQUENCE
-
-    text = AutoConfig.from_pretrained(folder).get_text_config()
-    return getattr(text, "max_position_embeddings", None) or MAX_SEQUENCE
-
-
-class ModelShard:
+class ModelShard(DecoderLayers):
     """Decoder layers ``[start, end)`` of the model in ``folder``, plus what its roles need.
 
     ``quantize`` names a weight-only method of :mod:`daemon.model.quantize` for its own layers (``"int8"``).
@@ -167,34 +97,28 @@ class ModelShard:
         self.info = read_model_info(self.folder, config)
         # a multimodal checkpoint (a text_config beside a vision tower) runs its text model: every setting the
         # shard reads (layer types, masks, cache, EOS, soft-capping) is the text model's
-        self.config = config.get_text_config()
+        text = config.get_text_config()
         n = self.info.num_layers
         if not (0 <= start < end <= n):
             raise ModelUnavailable(
                 f"layer range {start}-{end - 1} is outside the model's layers 0-{n - 1}"
             )
-        self.start, self.end, self.dtype, self.device = start, end, dtype, torch.device(device)
+        self.dtype, self.device = dtype, torch.device(device)
         self.is_tail = end == n
-        self.layer_types: list[str] = list(
-            getattr(self.config, "layer_types", None) or [self._default_layer_type()] * n
-        )
-        unknown = sorted(set(self.layer_types[start:end]) - set(_MASK_BUILDERS))
+        self.context_length = context_length(text)  # the most positions a step may reach
+        layer_types: list[str] = list(getattr(text, "layer_types", None) or [_default_layer_type(text)] * n)
+        unknown = sorted(set(layer_types[start:end]) - set(MASK_BUILDERS))
         if unknown:
             raise ModelUnavailable(
                 f"unsupported architecture {self.info.model_type!r}: layer types {unknown} are not supported"
             )
-        self._refuse_unsupported(config)
+        _refuse_unsupported(config, text, self.info.model_type)
         self._head_lock = threading.Lock()
-        self.model = self._build_skeleton()
-        rotary_params = inspect.signature(self.model.model.rotary_emb.forward).parameters
-        self._rotary_per_type = "layer_type" in rotary_params
-        layer_params = inspect.signature(type(self.model.model.layers[0]).forward).parameters
-        self._layers_share_kv = "shared_kv_states" in layer_params
+        # the layer math runs the skeleton's own modules, which loading fills in place
+        super().__init__(build_skeleton(text, dtype, self.info.model_type), text, start, end, layer_types)
         # with ``quantize``, the node's own layers only: embeddings and LM head stay as loaded
-        self._load_tensors(self._wanted_parts(head=head), quantize=quantize)
-        self._buffers_to_device()
-        self._layers = tuple(self.model.model.layers)  # indexing a tuple, not a ModuleList, in the step loop
-        self._attention_configs = attention_configs(self._layers[start:end])  # switched for batched steps
+        self._load(self._wanted_parts(head=head), quantize=quantize)
+        buffers_to_device(self.model, self.device)
         # the head turns chats into ids, the tail names its token
         self.tokenizer = ChatTokenizer.load(self.folder, self.config) if (head or self.is_tail) else None
         self._stats_store = sessions  # misses of a stateless node still show in its statistics
@@ -212,47 +136,6 @@ class ModelShard:
 
     # ---- loading ---------------------------------------------------------------------------
 
-    def _refuse_unsupported(self, config) -> None:
-        """Refuse by name what a shard cannot run exactly: quantized weights, layers needing more than hidden states."""
-        model_type = self.info.model_type
-        quantization = getattr(config, "quantization_config", None)
-        if quantization:  # FP8 or MXFP4 blocks read as plain floats would run, silently wrong
-            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
-            raise ModelUnavailable(
-                f"unsupported checkpoint of {model_type!r}: its weights are quantized ({method}); "
-                "a shard loads unquantized weights only (bfloat16, float16 or float32)"
-            )
-        needs = [why for setting, why in _UNSHARDABLE_FEATURES.items() if getattr(self.config, setting, None)]
-        if needs:
-            raise ModelUnavailable(
-                f"unsupported architecture {model_type!r}: {'; '.join(needs)}, but only hidden states travel "
-                "between nodes"
-            )
-
-    def _default_layer_type(self) -> str:
-        # Mistral-style configs without layer_types use one sliding window on every layer
-        return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
-
-    def _build_skeleton(self) -> torch.nn.Module:
-        from accelerate import init_empty_weights
-        from transformers import AutoModelForCausalLM
-
-        try:
-            with init_empty_weights():  # parameters on meta, buffers (rotary inv_freq) real
-                model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype)
-        except ValueError:  # transformers' message lists every causal LM config class, over several lines
-            raise ModelUnavailable(
-                f"unsupported architecture {self.info.model_type!r}: not a causal language model "
-                f"(transformers has no causal LM class for {type(self.config).__name__})"
-            ) from None
-        base = getattr(model, "model", None)
-        missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(base, a)]
-        if missing or not hasattr(model, "lm_head"):
-            raise ModelUnavailable(
-                f"unsupported architecture {self.info.model_type!r}: its decoder lacks {missing or ['lm_head']}"
-            )
-        return model.eval()
-
     def _wanted_parts(self, *, head: bool) -> set[str]:
         parts = {"layers"}
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
@@ -262,96 +145,15 @@ class ModelShard:
             parts |= {"norm", "lm_head"}
         return parts
 
-    def _checkpoint_part(self, key: str) -> str | None:
-        if m := _LAYER_KEY.match(key):
-            return "layers" if self.start <= int(m.group(1)) < self.end else None
-        if _EMBED_KEY.match(key):
-            return "embed"
-        if _LM_HEAD_KEY.match(key):
-            return "lm_head"
-        if _NORM_KEY.match(key):
-            return "norm"
-        return None
-
-    def _load_tensors(self, parts: set[str], *, quantize: str | None = None) -> None:
-        from safetensors import safe_open
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import convert_and_load_state_dict_in_model
-        from transformers.modeling_utils import LoadStateDictConfig
-
-        files = sorted(self.folder.glob("*.safetensors"))
-        if not files:
-            raise ModelUnavailable(f"no *.safetensors weights in {self.folder}")
-        groups: dict[str, dict[Path, list[str]]] = {}  # a layer ("7") or another part -> file -> its keys
-        for file in files:
-            for key in safe_open(str(file), framework="pt", device=str(self.device)).keys():
-                part = self._checkpoint_part(key)
-                if part in parts:
-                    layer = _LAYER_KEY.search(key)
-                    groups.setdefault(layer.group(1) if layer else part, {}).setdefault(file, []).append(key)
-        config = LoadStateDictConfig(
-            dtype=self.dtype,
-            weight_mapping=get_model_conversion_mapping(self.model, _TEXT_MODEL_RENAMING, None),
-            device_map={"": str(self.device)},
-        )
-        # A layer at a time, from files mapped for it alone, quantized as soon as it is in: a mapped file's pages
-        # count in this process's memory while mapped, so a node converting float32 weights to bfloat16 or int8
-        # would otherwise peak at the float32 bytes of all its layers on top of what it keeps.
-        for group, keys_by_file in _quiet_progress(groups.items()):
-            handles = {file: safe_open(str(file), framework="pt", device=str(self.device)) for file in keys_by_file}
-            state_dict = {key: handles[file].get_slice(key) for file, keys in keys_by_file.items() for key in keys}
-            # transformers' own loader: renames and fuses checkpoint tensors (MoE experts, qkv) as
-            # from_pretrained does; a slice is read (and cast) only here
-            info, _ = convert_and_load_state_dict_in_model(self.model, state_dict, config)
-            if info.conversion_errors or info.error_msgs:
-                problems = info.conversion_errors or info.error_msgs
-                raise ModelUnavailable(f"could not load weights from {self.folder}: {problems}")
-            del handles, state_dict
-            if quantize and group.isdigit():
-                layer = self.model.model.layers[int(group)]
-                quantize_layers([layer], quantize)
-                for parameter in layer.parameters():  # what was not quantized lets go of the file's mapping
-                    if type(parameter.data) is torch.Tensor:
-                        parameter.data = parameter.data.clone()
-        if "lm_head" in parts and self.model.lm_head.weight.device.type == "meta":
-            # no LM head in the checkpoint: it is tied to the embeddings, even where a multimodal checkpoint's
-            # text config does not say so (Gemma 4 ties in its top-level config only)
-            if self.model.model.embed_tokens.weight.device.type == "meta":
-                self._load_tensors({"embed"})
-            self.model.lm_head.weight = self.model.model.embed_tokens.weight
-        self._check_loaded(parts)
-
-    def _buffers_to_device(self) -> None:
-        """Buffers the skeleton made for real (rotary frequencies) join the weights on the device."""
-        for module in self.model.modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer.device.type != "meta" and buffer.device != self.device:
-                    setattr(module, name, buffer.to(self.device))  # stays a buffer, persistent or not
-
-    def _modules_for(self, parts: set[str]) -> dict[str, torch.nn.Module]:
-        base = self.model.model
-        modules: dict[str, torch.nn.Module] = {}
-        if "layers" in parts:
-            modules.update({f"layer {i}": base.layers[i] for i in range(self.start, self.end)})
-        if "embed" in parts:
-            modules["embeddings"] = base.embed_tokens
-        if "norm" in parts:
-            modules["final norm"] = base.norm
-        if "lm_head" in parts:
-            modules["LM head"] = self.model.lm_head
-        return modules
-
-    def _check_loaded(self, parts: set[str]) -> None:
-        for what, module in self._modules_for(parts).items():
-            on_meta = [n for n, p in module.named_parameters() if p.device.type == "meta"]
-            if on_meta:
-                raise ModelUnavailable(f"the checkpoint in {self.folder} lacks weights of {what}: {on_meta[:4]}")
+    def _load(self, parts: set[str], *, quantize: str | None = None) -> None:
+        load_parts(self.model, self.folder, parts, layers=range(self.start, self.end), dtype=self.dtype,
+                   device=self.device, quantize=quantize)
 
     def ensure_head(self) -> None:
         """Load the embeddings and tokenizer on first use as head (a no-op once loaded)."""
         with self._head_lock:
             if self.model.model.embed_tokens.weight.device.type == "meta":
-                self._load_tensors({"embed"})
+                self._load({"embed"})
             if self.tokenizer is None:
                 self.tokenizer = ChatTokenizer.load(self.folder, self.config)
 
@@ -385,7 +187,7 @@ class ModelShard:
             modules.append(self.model.lm_head)
         return plan_linears(modules, max_rows=max_rows, store=store, progress=progress)
 
-    # ---- running ---------------------------------------------------------------------------
+    # ---- steps -------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def embed(self, token_ids: list[int]) -> torch.Tensor:
@@ -393,69 +195,6 @@ class ModelShard:
         self.ensure_head()
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         return self.model.model.embed_tokens(ids).to(self.dtype)
-
-    def new_cache(self):
-        from transformers import DynamicCache
-
-        from daemon.model.kvcache import grow_in_place
-
-        # the same construction the model's own forward uses: per-layer types from the config
-        cache = DynamicCache(config=self.config)
-        grow_in_place(cache)  # full-attention layers append in place: a decode step's cost stays flat
-        return cache
-
-    @torch.inference_mode()
-    def run_layers(self, hidden: torch.Tensor, *, start_layer: int, past_len: int, cache) -> torch.Tensor:
-        """Run layers ``[start_layer, end)`` over ``hidden [1, T, hidden]`` at positions ``past_len..``."""
-        from transformers import masking_utils
-
-        q_len = hidden.shape[1]
-        position_ids = torch.arange(past_len, past_len + q_len, device=hidden.device).unsqueeze(0)  # [1, T]
-        hosted = range(start_layer, self.end)
-        # one mask per layer type, each built against the first hosted layer of that type:
-        # the cache's layer 0 is empty on a shard that does not host it
-        masks = {}
-        for i in hosted:
-            layer_type = self.layer_types[i]
-            if layer_type not in masks:
-                build = getattr(masking_utils, _MASK_BUILDERS[layer_type])
-                masks[layer_type] = build(
-                    config=self.config,
-                    inputs_embeds=hidden,
-                    attention_mask=None,
-                    cache=cache,
-                    position_ids=position_ids,
-                    layer_idx=i,
-                )
-        position_embeddings = self._rotary(hidden, position_ids, {self.layer_types[i] for i in hosted})
-        layers = self._layers
-        # stateless calls pass no cache arguments at all: layers that reject them still run
-        cache_kwargs = {"cache": cache, "use_cache": True} if cache is not None else {}
-        # Gemma 4 layers hand their keys and values to later layers through this dict, fresh for every call
-        shared_kv = {"shared_kv_states": {}} if self._layers_share_kv else {}
-        for i in hosted:
-            hidden = layers[i](
-                hidden,
-                attention_mask=masks[self.layer_types[i]],
-                position_ids=position_ids,
-                position_embeddings=position_embeddings[self.layer_types[i]],
-                **cache_kwargs,
-                **shared_kv,
-            )
-        return hidden
-
-    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, layer_types: set[str]) -> dict:
-        """Rotary embeddings once per call, per layer type where the model has one per type (Gemma 3)."""
-        rotary = self.model.model.rotary_emb
-        if self._rotary_per_type:
-            return {t: rotary(hidden, position_ids, t) for t in layer_types}
-        shared = rotary(hidden, position_ids)
-        return dict.fromkeys(layer_types, shared)
-
-    @torch.inference_mode()
-    def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head on the last position only: logits ``[vocab]``."""
-        return self.logits_rows(hidden[:, -1:, :])[0]
 
     def step(
         self,
@@ -495,8 +234,6 @@ class ModelShard:
                 self._stats_store.record_miss("cache_disabled")
             raise CacheMiss("cache_disabled", "this node runs stateless; prefill instead")
         if prefix is not None:
-            from daemon.model.kvcache import cut_back
-
             self.sessions.derive(session_id, prefix, keep=past_len, start_layer=start_layer, take=take_prefix,
                                  cut=cut_back, nbytes=cache_nbytes)
         return self.sessions.checkout(session_id, past_len=past_len, start_layer=start_layer).cache
@@ -580,46 +317,14 @@ class ModelShard:
         return StepResult(token_id=choice.token_id, text=self.tokenizer.token_text(choice.token_id),
                           logprob=choice.logprob, top_logprobs=choice.top_logprobs)
 
-    @torch.inference_mode()
-    def run_batch(self, hidden: torch.Tensor, *, start_layer: int, position_ids: torch.Tensor,
-                  caches: Sequence) -> torch.Tensor:
-        """Layers ``[start_layer, end)`` over ``hidden [1, B, hidden]``: row ``i`` is one new position of the
-        session whose cache is ``caches[i]``, at ``position_ids[0, i]``: full-attention and sliding-window layers
-        over the batch as one sequence with no mask, linear-attention layers over it as B sequences of one position
-        (:mod:`daemon.model.batching`)."""
-        hosted = range(start_layer, self.end)
-        types = self.layer_types
-        position_embeddings = self._rotary(hidden, position_ids, {types[i] for i in hosted})
-        batch = SessionBatch(caches)
-        layers = self._layers
-        shared_kv = {"shared_kv_states": {}} if self._layers_share_kv else {}  # as in run_layers (Gemma 4)
-        with batched_attention(self._attention_configs):
-            for i in hosted:
-                recurrent = types[i] in RECURRENT_LAYER_TYPES  # B sequences of one position: [B, 1, hidden]
-                out = layers[i](hidden.transpose(0, 1) if recurrent else hidden, attention_mask=None,
-                                position_ids=position_ids, position_embeddings=position_embeddings[types[i]],
-                                cache=batch, use_cache=True, **shared_kv)
-                if recurrent:
-                    batch.store_states()
-                    out = out.transpose(0, 1)
-                hidden = out
-        return hidden
-
-    @torch.inference_mode()
-    def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head on every position of ``hidden [1, B, hidden]``: logits ``[B, vocab]``."""
-        logits = head_rows(self.model.lm_head, self.model.model.norm(hidden))[0]
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap:  # Gemma-family models squash logits in their own forward, in the compute dtype: sampling sees the same
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
-
     def _check_start_layer(self, start_layer: int) -> None:
         if not (self.start <= start_layer < self.end):
             raise BadRequest(
                 f"start layer {start_layer} is outside this node's layers {self.start}-{self.end - 1}",
                 param="X-Meshnet-Start-Layer",
             )
+
+    # ---- load-time probes --------------------------------------------------------------------
 
     def _probe_batching(self) -> str | None:
         """Run two sessions' decode steps batched and alone; None when they agree, else why this shard must not
@@ -665,48 +370,23 @@ class ModelShard:
         return cache_nbytes(cache) > 0
 
 
-def _quiet_progress(items):
-    """Iterate with transformers' per-call "Loading weights" bar switched off: one bar per layer is noise in a
-    node's log; the node says itself what it loaded and how long it took."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield from items
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
+def _default_layer_type(text_config) -> str:
+    # Mistral-style configs without layer_types use one sliding window on every layer
+    return "sliding_attention" if getattr(text_config, "sliding_window", None) else "full_attention"
 
 
-def cache_nbytes(cache) -> int:
-    """Bytes held by a cache object, whatever its layer types keep (K/V, conv or recurrent state).
-
-    Called after every step, so it looks only where caches keep tensors: in each layer's attributes,
-    directly or in a list, tuple or dict one level down. Memory is counted once per storage, so a
-    view (a growing layer's filled part, a sliding window) and its buffer are not counted twice.
-    """
-    seen: dict[int, int] = {}
-    held = 0
-    for layer in getattr(cache, "layers", ()):
-        if type(layer) is GrowingLayer:  # its buffers, read directly: a tenth of the walk below, per step
-            held += layer.held_bytes()
-            continue
-        for value in vars(layer).values():
-            if isinstance(value, torch.Tensor):
-                _count_storage(value, seen)
-            elif isinstance(value, (list, tuple)):
-                for v in value:
-                    if isinstance(v, torch.Tensor):
-                        _count_storage(v, seen)
-            elif isinstance(value, dict):
-                for v in value.values():
-                    if isinstance(v, torch.Tensor):
-                        _count_storage(v, seen)
-    return held + sum(seen.values())
-
-
-def _count_storage(tensor: torch.Tensor, seen: dict[int, int]) -> None:
-    if not tensor.is_meta:
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+def _refuse_unsupported(config, text_config, model_type: str) -> None:
+    """Refuse by name what a shard cannot run exactly: quantized weights, layers needing more than hidden states."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:  # FP8 or MXFP4 blocks read as plain floats would run, silently wrong
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+        raise ModelUnavailable(
+            f"unsupported checkpoint of {model_type!r}: its weights are quantized ({method}); "
+            "a shard loads unquantized weights only (bfloat16, float16 or float32)"
+        )
+    needs = [why for setting, why in _UNSHARDABLE_FEATURES.items() if getattr(text_config, setting, None)]
+    if needs:
+        raise ModelUnavailable(
+            f"unsupported architecture {model_type!r}: {'; '.join(needs)}, but only hidden states travel "
+            "between nodes"
+        )

@@ -308,7 +308,7 @@ def test_other_dtypes_are_the_float32_weights_cast(tiny_gguf, tmp_path: Path) ->
 def test_every_range_and_dtype_shares_config_tokenizer_name_and_fingerprint(
     tiny_gguf, temp_cache: Path, tmp_path: Path
 ) -> None:
-    from daemon.model.shard import read_model_info
+    from daemon.model.checkpoint import read_model_info
 
     gguf_path = tiny_gguf("Q8_0")
     folders = [gguf_range_folder(gguf_path, 0, 2, progress=lambda _: None),

@@ -323,7 +323,8 @@ ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "mistral", "phi3"
 def test_bfloat16_weights_and_caches_match_real_shards(tiny_model, arch):
     import torch
 
-    from daemon.model.shard import ModelShard, cache_nbytes
+    from daemon.model.kvcache import cache_nbytes
+    from daemon.model.shard import ModelShard
 
     folder = tiny_model(arch)
     footprint = read_footprint(str(folder))

@@ -1,0 +1,168 @@
+"""Decoder layers ``[start, end)`` of a causal LM, run the way the model's own ``forward`` runs them.
+
+Read top to bottom, as a transformers modeling file:
+
+- :data:`MASK_BUILDERS`: which attention mask each layer type gets.
+- :meth:`DecoderLayers.run_layers`: one sequence, ``hidden [1, T, hidden]`` at positions ``past_len..``: one
+  mask per hosted layer type, rotary embeddings once per call, then each hosted layer.
+- :meth:`DecoderLayers.run_batch`: one new position of each of B sessions, ``hidden [1, B, hidden]``, each
+  over its own cache (:mod:`daemon.model.batching`).
+- :meth:`DecoderLayers.logits_last` and :meth:`DecoderLayers.logits_rows`: the tail's final norm and LM head.
+
+A range is not the whole model: a cache has a layer for every layer of the model, and those the range does
+not host stay empty. So each mask is built against the first hosted layer of its type, never layer 0.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+
+from daemon.model.batching import (
+    RECURRENT_LAYER_TYPES,
+    SessionBatch,
+    attention_configs,
+    batched_attention,
+    head_rows,
+)
+
+# Which mask each attention type gets, as the models' own forwards build them.
+MASK_BUILDERS = {
+    "full_attention": "create_causal_mask",
+    "sliding_attention": "create_sliding_window_causal_mask",
+    "chunked_attention": "create_chunked_causal_mask",
+    "linear_attention": "create_recurrent_attention_mask",
+    "mamba": "create_recurrent_attention_mask",
+    "conv": "create_recurrent_attention_mask",
+}
+
+
+class DecoderLayers:
+    """Layers ``[start, end)`` of ``model`` (a causal LM with ``model.model.layers``), run as its ``forward`` runs them.
+
+    ``config`` is the text model's config; ``layer_types[i]`` is layer ``i``'s attention type, a key of
+    :data:`MASK_BUILDERS`. The layers are the model's own modules: loading weights into them later is seen here.
+    """
+
+    def __init__(self, model: torch.nn.Module, config, start: int, end: int, layer_types: list[str]) -> None:
+        self.model = model
+        self.config = config
+        self.start, self.end = start, end
+        self.layer_types = layer_types
+        self._layers = tuple(model.model.layers)  # indexing a tuple, not a ModuleList, in the step loop
+        # Gemma 3 has one rotary embedding per layer type
+        self._rotary_per_type = "layer_type" in inspect.signature(model.model.rotary_emb.forward).parameters
+        # Gemma 4 layers hand their keys and values to later layers
+        self._layers_share_kv = "shared_kv_states" in inspect.signature(type(self._layers[0]).forward).parameters
+        self._attention_configs = attention_configs(self._layers[start:end])  # switched for batched steps
+
+    def new_cache(self):
+        """An empty cache for every layer of the model (the hosted ones fill), as the model's own forward makes it."""
+        from transformers import DynamicCache
+
+        from daemon.model.kvcache import grow_in_place
+
+        # the same construction the model's own forward uses: per-layer types from the config
+        cache = DynamicCache(config=self.config)
+        grow_in_place(cache)  # full-attention layers append in place: a decode step's cost stays flat
+        return cache
+
+    # ---- one sequence ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run_layers(self, hidden: torch.Tensor, *, start_layer: int, past_len: int, cache) -> torch.Tensor:
+        """Run layers ``[start_layer, end)`` over ``hidden [1, T, hidden]`` at positions ``past_len..``."""
+        q_len = hidden.shape[1]
+        position_ids = torch.arange(past_len, past_len + q_len, device=hidden.device).unsqueeze(0)  # [1, T]
+        hosted = range(start_layer, self.end)
+        types = self.layer_types
+        masks = self._masks(hidden, position_ids, cache, hosted)
+        position_embeddings = self._rotary(hidden, position_ids, {types[i] for i in hosted})
+        layers = self._layers
+        # stateless calls pass no cache arguments at all: layers that reject them still run
+        cache_kwargs = {"cache": cache, "use_cache": True} if cache is not None else {}
+        # Gemma 4 layers hand their keys and values to later layers through this dict, fresh for every call
+        shared_kv = {"shared_kv_states": {}} if self._layers_share_kv else {}
+        for i in hosted:
+            hidden = layers[i](  # [1, T, hidden] in, [1, T, hidden] out
+                hidden,
+                attention_mask=masks[types[i]],
+                position_ids=position_ids,
+                position_embeddings=position_embeddings[types[i]],
+                **cache_kwargs,
+                **shared_kv,
+            )
+        return hidden
+
+    def _masks(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache, hosted: range) -> dict:
+        """One mask per hosted layer type, each built against the first hosted layer of that type (the cache's
+        layer 0 is empty on a shard that does not host it), before the first layer runs."""
+        from transformers import masking_utils
+
+        masks = {}
+        for i in hosted:
+            layer_type = self.layer_types[i]
+            if layer_type not in masks:
+                build = getattr(masking_utils, MASK_BUILDERS[layer_type])
+                masks[layer_type] = build(
+                    config=self.config,
+                    inputs_embeds=hidden,
+                    attention_mask=None,
+                    cache=cache,
+                    position_ids=position_ids,
+                    layer_idx=i,
+                )
+        return masks
+
+    def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, layer_types: set[str]) -> dict:
+        """Rotary embeddings (cos, sin) once per call, per layer type where the model has one per type (Gemma 3)."""
+        rotary = self.model.model.rotary_emb
+        if self._rotary_per_type:
+            return {t: rotary(hidden, position_ids, t) for t in layer_types}
+        shared = rotary(hidden, position_ids)
+        return dict.fromkeys(layer_types, shared)
+
+    # ---- one position of several sessions --------------------------------------------------------
+
+    @torch.inference_mode()
+    def run_batch(self, hidden: torch.Tensor, *, start_layer: int, position_ids: torch.Tensor,
+                  caches: Sequence) -> torch.Tensor:
+        """Layers ``[start_layer, end)`` over ``hidden [1, B, hidden]``: row ``i`` is one new position of the
+        session whose cache is ``caches[i]``, at ``position_ids[0, i]``: full-attention and sliding-window layers
+        over the batch as one sequence with no mask, linear-attention layers over it as B sequences of one position
+        (:mod:`daemon.model.batching`)."""
+        hosted = range(start_layer, self.end)
+        types = self.layer_types
+        position_embeddings = self._rotary(hidden, position_ids, {types[i] for i in hosted})
+        batch = SessionBatch(caches)
+        layers = self._layers
+        shared_kv = {"shared_kv_states": {}} if self._layers_share_kv else {}  # as in run_layers (Gemma 4)
+        with batched_attention(self._attention_configs):
+            for i in hosted:
+                recurrent = types[i] in RECURRENT_LAYER_TYPES  # B sequences of one position: [B, 1, hidden]
+                out = layers[i](hidden.transpose(0, 1) if recurrent else hidden, attention_mask=None,
+                                position_ids=position_ids, position_embeddings=position_embeddings[types[i]],
+                                cache=batch, use_cache=True, **shared_kv)
+                if recurrent:
+                    batch.store_states()
+                    out = out.transpose(0, 1)
+                hidden = out
+        return hidden
+
+    # ---- the tail's logits ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on the last position only: logits ``[vocab]``."""
+        return self.logits_rows(hidden[:, -1:, :])[0]
+
+    @torch.inference_mode()
+    def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on every position of ``hidden [1, B, hidden]``: logits ``[B, vocab]``."""
+        logits = head_rows(self.model.lm_head, self.model.model.norm(hidden))[0]
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:  # Gemma-family models squash logits in their own forward, in the compute dtype: sampling sees the same
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
