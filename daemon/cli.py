@@ -163,7 +163,7 @@ def load_node(argv: list[str]):
     # before torch is imported: OpenMP workers spin a while after a parallel region, then sleep. A step runs
     # hundreds of small regions a few microseconds apart: a worker that slept after each one (as with
     # OMP_WAIT_POLICY=PASSIVE) costs a futex wake-up per region, a fifth of a step's time. Shorter spins
-    # (10,000-50,000) measured no better in a co-located mesh (README, Speed).
+    # (10,000-50,000) measured no better in a co-located mesh (docs/adr/0032-no-shorter-openmp-spins.md).
     os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINS))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 

@@ -11,7 +11,7 @@ from daemon.host import cpu_name, host_cores
 
 WINDOW = 10  # steps in the first-N and last-N throughput windows
 
-# The targets of the performance work, checked against every run (see README, "Speed").
+# The targets of the performance work, checked against every run (see BENCHMARKS.md).
 TARGET_RATIO = 0.9  # two-node cached decode vs generate
 TARGET_DECAY = 0.9  # last-10 over first-10 tokens/s, over 512 tokens
 TARGET_VS_STATELESS = 4.0  # cached over stateless decode at 512 tokens
@@ -56,7 +56,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2}  # on the w
 
 def check_targets(rows: list[dict], hidden_size: int, *, multiturn: Sequence[dict] = (),
                   shared_prefix: Sequence[dict] = (), sessions: Sequence[dict] = ()) -> list[dict]:
-    """Each target of the README's "Speed" section against this run's rows (where the run measured it),
+    """Each target in BENCHMARKS.md against this run's rows (where the run measured it),
     per precision: a bfloat16 mesh is held to generate in bfloat16, its hops to bfloat16's bytes.
     ``multiturn`` and ``shared_prefix``: the prompt-reuse rows (``daemon.bench.reuse``)."""
     checks = []
