@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from daemon.model import source
 from daemon.model.device import dtype_name, resolve_device, resolve_dtype
 from daemon.model.gguf_convert import gguf_layer_count, write_gguf_range
 from daemon.model.source import default_gguf_path, gguf_range_folder, resolve_model
-from tests.support.meshd import Daemon, start_mesh
+from tests.support.meshd import Daemon, run_meshd, start_mesh
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 VOCAB = 512  # the built-in vocabulary's first 512 tokens: a GGUF header that parses in milliseconds
@@ -408,10 +407,10 @@ def test_a_node_for_half_the_layers_peaks_well_below_one_for_all(built_in_gguf: 
 
 
 def meshd(*args: str, cache: Path) -> subprocess.CompletedProcess:
+    """``meshd`` converting into the cache folder ``cache``."""
     import os
 
-    return subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True, timeout=300,
-                          env=os.environ | {"MESHNET_CACHE_DIR": str(cache)})
+    return run_meshd(*args, env=os.environ | {"MESHNET_CACHE_DIR": str(cache)}, timeout=300)
 
 
 def _last_line(result: subprocess.CompletedProcess) -> str:
@@ -488,7 +487,7 @@ def test_fetch_model_converts_a_range_the_whole_file_or_only_counts(tiny_gguf, t
 async def test_the_local_mesh_gives_each_node_the_gguf_to_convert_its_own_range(tiny_gguf, tmp_path: Path,
                                                                                monkeypatch) -> None:
     from meshtui.local import LocalMesh
-    from tests.support.meshd import http_json
+    from tests.support.http_client import http_json
 
     monkeypatch.setenv("MESHNET_CACHE_DIR", str(tmp_path / "cache"))
     gguf_path = tiny_gguf("Q8_0")

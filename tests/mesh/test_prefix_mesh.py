@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.meshd import Daemon, http_json, start_mesh
+from tests.support.http_client import http_json
+from tests.support.meshd import Daemon, start_mesh
 
 SYSTEM = {"role": "system", "content": "You are a patient tutor who answers in two short sentences. " * 6}
 QUESTIONS = ["What is the capital of France?", "And of Spain?", "Name a river there."]
