@@ -3,11 +3,13 @@ and one-line errors for every bad value. A real meshd on 127.0.0.1 with the tiny
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
+from daemon import cli, logs
 from tests.support.http_client import send
 from tests.support.meshd import Daemon, free_port, run_meshd
 
@@ -111,6 +113,21 @@ def meshd(tmp_path, *args: str, env: dict | None = None) -> subprocess.Completed
                      env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)} | (env or {}))
 
 
+def refused(monkeypatch, home, *args: str, env: dict) -> cli.Refused:
+    """What ``meshd ARGS`` refuses to start with, read in this process: its environment holds no MESHNET_* variable
+    but ``env``, and its home no config file."""
+    for name in [name for name in os.environ if name.startswith("MESHNET_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(logs, "setup_logging", lambda **_: None)  # the test process keeps its own logging
+    with pytest.raises(cli.Refused) as refusal:
+        cli.load_node(["--port", str(free_port()), *args])
+    return refusal.value
+
+
 def one_line_error(result: subprocess.CompletedProcess, *expected: str) -> None:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
@@ -156,10 +173,21 @@ def pem(tmp_path_factory):
     ([], {"MESHNET_SSL_CA_FILE": "{d}/absent"}, ["--ssl-ca-file", "cannot read"]),
     ([], {"MESHNET_LOG_LEVEL": "verbose"}, ["MESHNET_LOG_LEVEL"]),
 ])
-def test_a_bad_server_option_is_one_line(tmp_path, pem, args, env, expected):
+def test_a_bad_server_option_is_one_line(tmp_path, pem, monkeypatch, args, env, expected):
+    """Checked in this process: what meshd refuses with before it loads anything (the next test shows a refusal
+    leaves the command as one line on stderr)."""
     args = [a.format(d=pem) for a in args]
     env = {k: v.format(d=pem) for k, v in env.items()}
-    one_line_error(meshd(tmp_path, *args, env=env), *expected)
+    refusal = refused(monkeypatch, tmp_path, *args, env=env)
+    assert refusal.code == 2, refusal.message
+    assert "\n" not in refusal.message, refusal.message
+    for text in expected:
+        assert text in refusal.message, refusal.message
+
+
+def test_a_refusal_leaves_the_command_as_one_line_without_a_traceback(tmp_path, pem):
+    result = meshd(tmp_path, "--ssl-certfile", str(pem / "cert.pem"), "--ssl-keyfile", str(pem / "other-key.pem"))
+    one_line_error(result, "is not the private key")
 
 
 @pytest.mark.slow
