@@ -123,9 +123,19 @@ def refused(monkeypatch, home, *args: str, env: dict) -> cli.Refused:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(logs, "setup_logging", lambda **_: None)  # the test process keeps its own logging
+    for name in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS"):  # load_node sets them if unset: this process gets them back
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
     with pytest.raises(cli.Refused) as refusal:
         cli.load_node(["--port", str(free_port()), *args])
     return refusal.value
+
+
+def one_line_refusal(refusal: cli.Refused, *expected: str) -> None:
+    """A refusal meshd prints as one line and leaves with exit status 2, saying each of ``expected``."""
+    assert refusal.code == 2, refusal.message
+    assert "\n" not in refusal.message, refusal.message
+    for text in expected:
+        assert text in refusal.message, refusal.message
 
 
 def one_line_error(result: subprocess.CompletedProcess, *expected: str) -> None:
@@ -178,11 +188,7 @@ def test_a_bad_server_option_is_one_line(tmp_path, pem, monkeypatch, args, env, 
     leaves the command as one line on stderr)."""
     args = [a.format(d=pem) for a in args]
     env = {k: v.format(d=pem) for k, v in env.items()}
-    refusal = refused(monkeypatch, tmp_path, *args, env=env)
-    assert refusal.code == 2, refusal.message
-    assert "\n" not in refusal.message, refusal.message
-    for text in expected:
-        assert text in refusal.message, refusal.message
+    one_line_refusal(refused(monkeypatch, tmp_path, *args, env=env), *expected)
 
 
 def test_a_refusal_leaves_the_command_as_one_line_without_a_traceback(tmp_path, pem):
@@ -196,11 +202,11 @@ def test_a_refusal_leaves_the_command_as_one_line_without_a_traceback(tmp_path, 
     (["--chat-template", "{d}/broken.jinja"], ["--chat-template", "cannot render"]),
     (["--chat-template", "{d}/refusing.jinja"], ["--chat-template", "cannot render", "no system turns here"]),
 ])
-def test_a_server_option_that_does_not_fit_the_model_is_one_line(tmp_path, tiny_model, args, expected):
+def test_a_server_option_that_does_not_fit_the_model_is_one_line(tmp_path, tiny_model, monkeypatch, args, expected):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }")
     (tmp_path / "refusing.jinja").write_text("{{ raise_exception('no system turns here') }}")
-    result = meshd(tmp_path, "--model", str(tiny_model("llama")), *[a.format(d=tmp_path) for a in args])
-    one_line_error(result, *expected)
+    args = ["--model", str(tiny_model("llama")), *[a.format(d=tmp_path) for a in args]]
+    one_line_refusal(refused(monkeypatch, tmp_path, *args, env={}), *expected)
 
 
 # ---- the console's side --------------------------------------------------------------------------
