@@ -3,15 +3,13 @@ and one-line errors for every bad value. A real meshd on 127.0.0.1 with the tiny
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from daemon import cli, logs
 from tests.support.http_client import send
-from tests.support.meshd import Daemon, free_port, run_meshd
+from tests.support.meshd import Daemon, free_port, run_meshd, run_meshd_in_process
 
 KEY = "conventional-api-key-0123456789"
 ORIGIN = "https://app.example"
@@ -113,29 +111,9 @@ def meshd(tmp_path, *args: str, env: dict | None = None) -> subprocess.Completed
                      env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)} | (env or {}))
 
 
-def refused(monkeypatch, home, *args: str, env: dict) -> cli.Refused:
-    """What ``meshd ARGS`` refuses to start with, read in this process: its environment holds no MESHNET_* variable
-    but ``env``, and its home no config file."""
-    for name in [name for name in os.environ if name.startswith("MESHNET_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
-    monkeypatch.setenv("HOME", str(home))
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(logs, "setup_logging", lambda **_: None)  # the test process keeps its own logging
-    for name in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS"):  # load_node sets them if unset: this process gets them back
-        monkeypatch.setenv(name, os.environ.get(name, "1"))
-    with pytest.raises(cli.Refused) as refusal:
-        cli.load_node(["--port", str(free_port()), *args])
-    return refusal.value
-
-
-def one_line_refusal(refusal: cli.Refused, *expected: str) -> None:
-    """A refusal meshd prints as one line and leaves with exit status 2, saying each of ``expected``."""
-    assert refusal.code == 2, refusal.message
-    assert "\n" not in refusal.message, refusal.message
-    for text in expected:
-        assert text in refusal.message, refusal.message
+def meshd_here(monkeypatch, capsys, tmp_path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """:func:`meshd` run in this process (for a command that refuses to start): no Python start of its own."""
+    return run_meshd_in_process(monkeypatch, capsys, tmp_path, "--port", str(free_port()), *args, env=env)
 
 
 def one_line_error(result: subprocess.CompletedProcess, *expected: str) -> None:
@@ -183,12 +161,11 @@ def pem(tmp_path_factory):
     ([], {"MESHNET_SSL_CA_FILE": "{d}/absent"}, ["--ssl-ca-file", "cannot read"]),
     ([], {"MESHNET_LOG_LEVEL": "verbose"}, ["MESHNET_LOG_LEVEL"]),
 ])
-def test_a_bad_server_option_is_one_line(tmp_path, pem, monkeypatch, args, env, expected):
-    """Checked in this process: what meshd refuses with before it loads anything (the next test shows a refusal
-    leaves the command as one line on stderr)."""
+def test_a_bad_server_option_is_one_line(tmp_path, pem, monkeypatch, capsys, args, env, expected):
+    """Run in this process (the next test runs one as a command of its own)."""
     args = [a.format(d=pem) for a in args]
     env = {k: v.format(d=pem) for k, v in env.items()}
-    one_line_refusal(refused(monkeypatch, tmp_path, *args, env=env), *expected)
+    one_line_error(meshd_here(monkeypatch, capsys, tmp_path, *args, env=env), *expected)
 
 
 def test_a_refusal_leaves_the_command_as_one_line_without_a_traceback(tmp_path, pem):
@@ -202,11 +179,13 @@ def test_a_refusal_leaves_the_command_as_one_line_without_a_traceback(tmp_path, 
     (["--chat-template", "{d}/broken.jinja"], ["--chat-template", "cannot render"]),
     (["--chat-template", "{d}/refusing.jinja"], ["--chat-template", "cannot render", "no system turns here"]),
 ])
-def test_a_server_option_that_does_not_fit_the_model_is_one_line(tmp_path, tiny_model, monkeypatch, args, expected):
+def test_a_server_option_that_does_not_fit_the_model_is_one_line(tmp_path, tiny_model, monkeypatch, capsys, args,
+                                                                  expected):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }")
     (tmp_path / "refusing.jinja").write_text("{{ raise_exception('no system turns here') }}")
-    args = ["--model", str(tiny_model("llama")), *[a.format(d=tmp_path) for a in args]]
-    one_line_refusal(refused(monkeypatch, tmp_path, *args, env={}), *expected)
+    result = meshd_here(monkeypatch, capsys, tmp_path, "--model", str(tiny_model("llama")),
+                        *[a.format(d=tmp_path) for a in args])
+    one_line_error(result, *expected)
 
 
 # ---- the console's side --------------------------------------------------------------------------

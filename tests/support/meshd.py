@@ -1,5 +1,6 @@
 """The tests' one way to start ``meshd``: a node as a process on 127.0.0.1 (:class:`Daemon`), a mesh of them
-(:func:`start_mesh`), or the command run to its end (:func:`run_meshd`)."""
+(:func:`start_mesh`), or the command run to its end (:func:`run_meshd`, or :func:`run_meshd_in_process` for one
+that refuses to start)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import pytest
 
 from daemon.api.launch import MeshdProcess, free_port, node_url
 from tests.support.http_client import bearer, http_json, send, stream_events
@@ -129,3 +132,26 @@ def run_meshd(*args: str, env: dict | None = None, timeout: float = 120) -> subp
     ``env``, when given, is its whole environment."""
     return subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def run_meshd_in_process(monkeypatch, capsys, home: Path, *args: str, env: dict | None = None
+                         ) -> subprocess.CompletedProcess:
+    """Run the ``meshd`` command in this process, as :func:`run_meshd` would in an environment of its own (no
+    MESHNET_* variable but ``env``, ``home`` with no config), for a command that refuses to start: starting to
+    serve fails the test. Its exit status and what it printed come back as from :func:`run_meshd`."""
+    from daemon import cli, logs
+
+    for name in [name for name in os.environ if name.startswith("MESHNET_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    for name in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS"):  # meshd sets them if unset: this process gets them back
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    monkeypatch.setattr(logs, "setup_logging", lambda **_: None)  # the test process keeps its own logging
+    monkeypatch.setattr(cli, "run", lambda app, node: pytest.fail(f"meshd {' '.join(args)} started serving"))
+    capsys.readouterr()  # only what the command prints
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["meshd", *args], code, out, err)
