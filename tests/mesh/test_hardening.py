@@ -113,17 +113,17 @@ def test_a_node_with_another_token_is_down_to_its_peers(default_model, tmp_path,
 
 
 @pytest.mark.slow
-def test_binding_beyond_loopback_without_a_token_warns_loudly(tmp_path, monkeypatch, capsys):
+def test_binding_beyond_loopback_without_a_token_warns_loudly(tmp_path):
     # the model does not exist, so the node stops before it binds anything: only the warning is tested (in this
-    # process, the command refusing as it would on its own)
+    # process: the command refuses as it would on its own)
     missing = tmp_path / "no-model"
-    run = run_meshd_in_process(monkeypatch, capsys, tmp_path, "--host", "0.0.0.0", "--port", str(free_port()),
-                               "--model", str(missing))
+    run = run_meshd_in_process("--host", "0.0.0.0", "--port", str(free_port()), "--model", str(missing),
+                               env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert run.returncode != 0
     assert "WARNING: listening on 0.0.0.0 without an API key" in run.stderr
     for variable in ("MESHNET_TOKEN", "MESHNET_API_KEY"):  # the key by either name
-        quiet = run_meshd_in_process(monkeypatch, capsys, tmp_path, "--host", "0.0.0.0", "--port", str(free_port()),
-                                     "--model", str(missing), env={variable: TOKEN})
+        quiet = run_meshd_in_process("--host", "0.0.0.0", "--port", str(free_port()), "--model", str(missing),
+                                     env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), variable: TOKEN})
         assert "WARNING" not in quiet.stderr and "error" in quiet.stderr
 
 

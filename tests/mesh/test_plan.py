@@ -20,13 +20,14 @@ from daemon.model.footprint import LayerCache, ModelFootprint, PartValues, Preci
 from daemon.plan import parse_size, plan_mesh
 from daemon.plan.split import GIB
 from tests.support.http_client import http_json
-from tests.support.meshd import Daemon, run_meshd, start_mesh
+from tests.support.meshd import Daemon, run_meshd_in_process, start_mesh
 
 MIB = 1 << 20
 
 
-def meshd_plan(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return run_meshd("plan", *args, timeout=timeout)
+def meshd_plan(*args: str) -> subprocess.CompletedProcess:
+    """``meshd plan``, run in this process: the planner reads files and prints, it starts nothing."""
+    return run_meshd_in_process("plan", *args)
 
 
 def plan_of(*args: str) -> dict:

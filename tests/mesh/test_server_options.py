@@ -111,9 +111,10 @@ def meshd(tmp_path, *args: str, env: dict | None = None) -> subprocess.Completed
                      env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)} | (env or {}))
 
 
-def meshd_here(monkeypatch, capsys, tmp_path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def meshd_here(tmp_path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """:func:`meshd` run in this process (for a command that refuses to start): no Python start of its own."""
-    return run_meshd_in_process(monkeypatch, capsys, tmp_path, "--port", str(free_port()), *args, env=env)
+    return run_meshd_in_process("--port", str(free_port()), *args,
+                                env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)} | (env or {}))
 
 
 def one_line_error(result: subprocess.CompletedProcess, *expected: str) -> None:
@@ -161,11 +162,11 @@ def pem(tmp_path_factory):
     ([], {"MESHNET_SSL_CA_FILE": "{d}/absent"}, ["--ssl-ca-file", "cannot read"]),
     ([], {"MESHNET_LOG_LEVEL": "verbose"}, ["MESHNET_LOG_LEVEL"]),
 ])
-def test_a_bad_server_option_is_one_line(tmp_path, pem, monkeypatch, capsys, args, env, expected):
+def test_a_bad_server_option_is_one_line(tmp_path, pem, args, env, expected):
     """Run in this process (the next test runs one as a command of its own)."""
     args = [a.format(d=pem) for a in args]
     env = {k: v.format(d=pem) for k, v in env.items()}
-    one_line_error(meshd_here(monkeypatch, capsys, tmp_path, *args, env=env), *expected)
+    one_line_error(meshd_here(tmp_path, *args, env=env), *expected)
 
 
 def test_a_refusal_leaves_the_command_as_one_line_without_a_traceback(tmp_path, pem):
@@ -179,12 +180,10 @@ def test_a_refusal_leaves_the_command_as_one_line_without_a_traceback(tmp_path, 
     (["--chat-template", "{d}/broken.jinja"], ["--chat-template", "cannot render"]),
     (["--chat-template", "{d}/refusing.jinja"], ["--chat-template", "cannot render", "no system turns here"]),
 ])
-def test_a_server_option_that_does_not_fit_the_model_is_one_line(tmp_path, tiny_model, monkeypatch, capsys, args,
-                                                                  expected):
+def test_a_server_option_that_does_not_fit_the_model_is_one_line(tmp_path, tiny_model, args, expected):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }")
     (tmp_path / "refusing.jinja").write_text("{{ raise_exception('no system turns here') }}")
-    result = meshd_here(monkeypatch, capsys, tmp_path, "--model", str(tiny_model("llama")),
-                        *[a.format(d=tmp_path) for a in args])
+    result = meshd_here(tmp_path, "--model", str(tiny_model("llama")), *[a.format(d=tmp_path) for a in args])
     one_line_error(result, *expected)
 
 

@@ -4,6 +4,8 @@ that refuses to start)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -134,24 +136,29 @@ def run_meshd(*args: str, env: dict | None = None, timeout: float = 120) -> subp
                           timeout=timeout, env=env)
 
 
-def run_meshd_in_process(monkeypatch, capsys, home: Path, *args: str, env: dict | None = None
-                         ) -> subprocess.CompletedProcess:
-    """Run the ``meshd`` command in this process, as :func:`run_meshd` would in an environment of its own (no
-    MESHNET_* variable but ``env``, ``home`` with no config), for a command that refuses to start: starting to
-    serve fails the test. Its exit status and what it printed come back as from :func:`run_meshd`."""
+def run_meshd_in_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """:func:`run_meshd` without a Python start of its own: the command runs in this process, in ``env`` as its
+    whole environment when given, and what it prints and its exit status come back the same way. For a command
+    that ends by itself (a refusal, a plan): starting to serve fails the test."""
     from daemon import cli, logs
 
-    for name in [name for name in os.environ if name.startswith("MESHNET_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
-    monkeypatch.setenv("HOME", str(home))
-    for name, value in (env or {}).items():
-        monkeypatch.setenv(name, value)
-    for name in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS"):  # meshd sets them if unset: this process gets them back
-        monkeypatch.setenv(name, os.environ.get(name, "1"))
-    monkeypatch.setattr(logs, "setup_logging", lambda **_: None)  # the test process keeps its own logging
-    monkeypatch.setattr(cli, "run", lambda app, node: pytest.fail(f"meshd {' '.join(args)} started serving"))
-    capsys.readouterr()  # only what the command prints
-    code = cli.main(list(args))
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(["meshd", *args], code, out, err)
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        if env is not None:
+            for name in list(os.environ):
+                patch.delenv(name)
+            for name, value in env.items():
+                patch.setenv(name, value)
+        for name in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS"):  # meshd sets them when unset: undone with the rest
+            value = os.environ.get(name)
+            patch.setenv(name, value or "")
+            if value is None:
+                patch.delenv(name)
+        patch.setattr(logs, "setup_logging", lambda **_: None)  # this process keeps its own logging
+        patch.setattr(cli, "run", lambda app, node: pytest.fail(f"meshd {' '.join(args)} started serving"))
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exc:  # argparse's way out, as the command would leave
+                code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["meshd", *args], code, out.getvalue(), err.getvalue())
