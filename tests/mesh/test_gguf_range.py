@@ -19,7 +19,7 @@ from daemon.model import source
 from daemon.model.device import dtype_name, resolve_device, resolve_dtype
 from daemon.model.gguf_convert import gguf_layer_count, write_gguf_range
 from daemon.model.source import default_gguf_path, gguf_range_folder, resolve_model
-from tests.support.meshd import Daemon, run_meshd, start_mesh
+from tests.support.meshd import Daemon, run_meshd_in_process, start_mesh
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 VOCAB = 512  # the built-in vocabulary's first 512 tokens: a GGUF header that parses in milliseconds
@@ -412,10 +412,10 @@ def test_a_node_for_half_the_layers_peaks_well_below_one_for_all(built_in_gguf: 
 
 
 def meshd(*args: str, cache: Path) -> subprocess.CompletedProcess:
-    """``meshd`` converting into the cache folder ``cache``."""
+    """``meshd`` converting into the cache folder ``cache``, run in this process (each ends by itself)."""
     import os
 
-    return run_meshd(*args, env=os.environ | {"MESHNET_CACHE_DIR": str(cache)}, timeout=300)
+    return run_meshd_in_process(*args, env=os.environ | {"MESHNET_CACHE_DIR": str(cache)})
 
 
 def _last_line(result: subprocess.CompletedProcess) -> str:
