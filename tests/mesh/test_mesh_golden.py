@@ -137,7 +137,7 @@ def test_three_overlapping_nodes_match_generate(default_model, reference_tokens,
 @pytest.mark.slow
 def test_legacy_tail_without_token_ids_prefills_every_step(default_model, reference_model, reference_tokens,
                                                           tmp_path):
-    """A tail from before ADR-0022 answers text only: the head re-tokenizes and prefills each step."""
+    """A tail from before token ids answers text only: the head re-tokenizes and prefills each step."""
     _, tokenizer = reference_model
     messages = [{"role": "user", "content": "Name three colours."}]
     head, tail = start_mesh(default_model, [("0-14", []), ("15-29", [], "legacy-tail")], peers=[[1], []],

@@ -1,10 +1,10 @@
 """meshd with a test-only twist, for tests that need a node no real meshd is any more:
 
-    python -m tests.support.meshd_variants legacy-tail <meshd options>   # a tail from before ADR-0022: text, no token id
+    python -m tests.support.meshd_variants legacy-tail <meshd options>   # a tail from before token ids: text only
     python -m tests.support.meshd_variants slow-300 <meshd options>      # every /forward step answers 300 ms later
     python -m tests.support.meshd_variants no-prefix <meshd options>     # a node from before prefix reuse
     python -m tests.support.meshd_variants forgetful <meshd options>     # loses a session every 4th decode step of
-                                                                 # a request whose X-Request-Id starts "forget-"
+                                                                         # a request whose X-Request-Id starts "forget-"
 
 The node is meshd's own (``daemon.cli.load_node``, ``node_app``, ``run``); only a middleware is added.
 """
