@@ -56,7 +56,7 @@ def connect(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
 
 
 def send(method: str, url: str, body: bytes | None = None, headers: dict | None = None, *,
-            json=None, timeout: float = 120.0) -> Reply:
+         json=None, timeout: float = 120.0) -> Reply:
     """Send one request and read the whole answer. Header values may be raw bytes, sent as they are; ``json``
     is sent as a JSON body (with its Content-Type unless ``headers`` name one)."""
     headers = dict(headers or {})
