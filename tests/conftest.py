@@ -107,20 +107,13 @@ def openai_mesh(tiny_model, tmp_path_factory):
     and is meshd's ``forgetful`` variant (``tests.support.meshd_variants``): it loses the session of a request whose
     ``X-Request-Id`` starts ``forget-`` every 4th decode step, so those requests re-prefill mid-answer.
     """
-    from daemon.api.launch import free_port, node_url
-    from tests.support.meshd import Daemon
+    from tests.support.meshd import start_mesh
 
-    model = tiny_model("llama")
-    logs = tmp_path_factory.mktemp("openai-logs")
-    head_port, tail_port = free_port(), free_port()
-    head = Daemon(model, "0-1", port=head_port, peer_urls=[node_url("127.0.0.1", tail_port)], log_dir=logs,
-                  extra=["--served-model-name", "tiny", "--served-model-name", "tiny-alias"])
-    tail = Daemon(model, "2-3", port=tail_port, peer_urls=[head.url], log_dir=logs, variant="forgetful")
+    names = ["--served-model-name", "tiny", "--served-model-name", "tiny-alias"]
+    mesh = start_mesh(tiny_model("llama"), [("0-1", names), ("2-3", [], "forgetful")],
+                      log_dir=tmp_path_factory.mktemp("openai-logs"))
     try:
-        for d in (head, tail):
-            d.wait_ready()
-        head.wait_peers(1)
-        yield head, tail
+        yield tuple(mesh)
     finally:
-        for d in (head, tail):
+        for d in mesh:
             d.stop()

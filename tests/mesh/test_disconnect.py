@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
-import json
 import time
 
 import pytest
@@ -23,15 +21,12 @@ def mesh(tiny_model, tmp_path_factory):
 
 def test_leaving_mid_stream_stops_the_generation(mesh):
     head, tail = mesh
-    conn = http.client.HTTPConnection("127.0.0.1", head.port, timeout=30)
-    body = {"messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 900,
-            "ignore_eos": True, "temperature": 0, "stream": True}
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
+    events = head.stream({"messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 900,
+                          "ignore_eos": True, "temperature": 0}, timeout=30)
     for _ in range(5):
-        assert resp.readline()  # a few events arrive: the generation is running
+        assert next(events)  # a few events arrive: the generation is running
     assert head.get("/v1/status")["active_generations"] == 1
-    conn.close()  # the client goes away
+    events.close()  # the client goes away
 
     deadline = time.monotonic() + 10
     while head.get("/v1/status")["active_generations"] and time.monotonic() < deadline:

@@ -10,59 +10,24 @@ reference's greedy choice. Then: each 409 cache-miss reason, a barrage of malfor
 
 from __future__ import annotations
 
-import http.client
-import json
 import socket
 import time
-from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import pytest
 import torch
 
+from tests.support.headers import CACHE, DTYPE, HOP_INDEX, PAST_LEN, SAMPLING, SESSION, SHAPE, START_LAYER
+from tests.support.http_client import Reply, send
 from tests.support.meshd import Daemon, start_mesh
 
 HIDDEN = 64
-# the header names are spelled out here, not imported from daemon.wire: renaming one breaks the protocol
-SESSION = "X-Meshnet-Session"
-CACHE = "X-Meshnet-Cache"
-PAST_LEN = "X-Meshnet-Past-Len"
-START_LAYER = "X-Meshnet-Start-Layer"
-HOP_INDEX = "X-Meshnet-Hop-Index"
-DTYPE = "X-Meshnet-Dtype"
-SHAPE = "X-Meshnet-Shape"
-SAMPLING = "X-Meshnet-Sampling"
-
 KV = ["--kv-max-sessions", "256"]  # this module opens many sessions: none may be LRU-evicted
 PROMPT = "The capital of France is"
 SURVIVOR = "survivor-0001"  # prefilled before the barrage, decoded after it
 
 
-# --- raw HTTP -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Reply:
-    status: int
-    headers: http.client.HTTPMessage
-    body: bytes
-
-    def json(self):
-        return json.loads(self.body)
-
-    def __repr__(self) -> str:
-        return f"Reply({self.status}, {self.headers.get('Content-Type')}, {self.body[:300]!r})"
-
-
-def request(method: str, url: str, path: str, body: bytes | None = None, headers: dict | None = None) -> Reply:
-    u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        return Reply(resp.status, resp.headers, resp.read())
-    finally:
-        conn.close()
+# --- /forward ------------------------------------------------------------------------------------
 
 
 def forward(url: str, tensor_or_bytes, headers: dict | None = None, *, dtype: str | None = "float32",
@@ -79,7 +44,7 @@ def forward(url: str, tensor_or_bytes, headers: dict | None = None, *, dtype: st
     if shape is not None:
         sent[SHAPE] = shape
     sent.update(headers or {})
-    return request("POST", url, "/forward", body, {k: v for k, v in sent.items() if v is not None})
+    return send("POST", url + "/forward", body, {k: v for k, v in sent.items() if v is not None})
 
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -458,28 +423,12 @@ def test_malformed_request_is_a_400_naming_the_field(request, survivor, node, bo
     sent.update(headers)
     for name in drop:
         sent.pop(name)
-    reply = request_raw(daemon.url, _F32_1 if body is None else body, sent)
+    reply = send("POST", daemon.url + "/forward", _F32_1 if body is None else body, sent)
     assert reply.status == 400, reply
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error", error
     assert error["param"] == param, error
     assert match.lower() in error["message"].lower(), error
-
-
-def request_raw(url: str, body: bytes, headers: dict) -> Reply:
-    """Like :func:`request`, but header values may be raw bytes (sent as they are)."""
-    u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
-    try:
-        conn.putrequest("POST", "/forward")
-        for name, value in headers.items():
-            conn.putheader(name, value)
-        conn.putheader("Content-Length", str(len(body)))
-        conn.endheaders(body)
-        resp = conn.getresponse()
-        return Reply(resp.status, resp.headers, resp.read())
-    finally:
-        conn.close()
 
 
 def test_a_truncated_body_is_never_served(tail):
@@ -516,7 +465,7 @@ def test_a_tiny_temperature_is_greedy_or_rejected_never_a_500(tail, ref, prompt_
 def test_node_still_serves_after_the_barrage(head, tail, survivor, ref, prompt_ids):
     sid, past_len, first_token = survivor
     for daemon in (head, tail):
-        health = request("GET", daemon.url, "/health")
+        health = send("GET", daemon.url + "/health")
         assert health.status == 200, health
         assert health.json()["status"] == "ok"
     ids = prompt_ids + [first_token]
@@ -546,12 +495,12 @@ def test_sessions_list_and_drop(tail):
     assert entry["expires_at"] - listing["time"] > 500  # the default TTL is 600 s
     assert abs(listing["time"] - time.time()) < 60
 
-    dropped = request("DELETE", tail.url, f"/v1/sessions/{sid}")
+    dropped = send("DELETE", tail.url + f"/v1/sessions/{sid}")
     assert dropped.status == 200, dropped
     assert sid not in {s["session_id"] for s in tail.get("/v1/sessions")["sessions"]}
     assert_cache_miss(forward(tail.url, random_hidden(1), {CACHE: "decode", SESSION: sid, PAST_LEN: str(tokens)}),
                       "unknown_session")
-    again = request("DELETE", tail.url, f"/v1/sessions/{sid}")
+    again = send("DELETE", tail.url + f"/v1/sessions/{sid}")
     assert again.status == 404, again
     assert isinstance(again.json()["error"]["message"], str)
 

@@ -12,10 +12,8 @@ transformers' own, and neither daemon's resident memory grew by more than :data:
 
 from __future__ import annotations
 
-import http.client
 import json
 import random
-import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,7 +27,9 @@ from tests.support.fuzz_cases import (
     costly_cases,
     forward_base,
 )
+from tests.support.http_client import Reply, send
 from tests.support.meshd import Daemon, start_mesh
+from tests.support.watch import NodeWatch
 
 pytestmark = pytest.mark.slow  # a long end-to-end run: in .ci/run, not in the fast subset
 
@@ -39,22 +39,9 @@ PROMPT = [{"role": "user", "content": "Describe the water cycle to a ten-year-ol
 TOKENS = 32
 
 
-def send(port: int, case: Case) -> tuple[int, str, bytes]:
-    """Send ``case`` byte for byte (header values may be raw bytes); (status, content type, body)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        conn.putrequest(case.method, case.path, skip_accept_encoding=True)
-        for name, value in case.headers.items():
-            conn.putheader(name, value)
-        conn.putheader("Content-Length", str(len(case.body)))
-        try:
-            conn.endheaders(case.body)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the node may answer a body over the limit before reading it all: its answer counts
-        resp = conn.getresponse()
-        return resp.status, resp.getheader("Content-Type", ""), resp.read()
-    finally:
-        conn.close()
+def send_case(daemon: Daemon, case: Case) -> Reply:
+    """Send ``case`` byte for byte (header values may be raw bytes)."""
+    return send(case.method, daemon.url + case.path, case.body, case.headers, timeout=60)
 
 
 def problem(case: Case, status: int, content_type: str, body: bytes) -> str | None:
@@ -80,38 +67,6 @@ def rss_mb(daemon: Daemon) -> float:
     with open(f"/proc/{daemon.proc.pid}/status") as f:
         line = next(line for line in f if line.startswith("VmRSS:"))
     return int(line.split()[1]) / 1024
-
-
-class HealthWatch:
-    """Polls both nodes' /health until stopped, remembering every answer that was not a 200."""
-
-    def __init__(self, daemons: list[Daemon]) -> None:
-        self.daemons, self.polls, self.bad = daemons, 0, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for d in self.daemons:
-                try:
-                    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=5)
-                    conn.request("GET", "/health")
-                    status = conn.getresponse().status
-                    conn.close()
-                except OSError as exc:
-                    status = repr(exc)
-                if status != 200:
-                    self.bad.append((d.layers, status))
-            self.polls += 1
-            self._stop.wait(0.1)  # pacing between rounds, not synchronisation
-
-    def __enter__(self) -> HealthWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +97,8 @@ def test_a_thousand_malformed_requests_get_4xx_and_hurt_nobody(mesh, reference_t
 
     def run(case: Case):
         try:
-            return case, *send(nodes[case.node].port, case)
+            reply = send_case(nodes[case.node], case)
+            return case, reply.status, reply.headers.get("Content-Type", ""), reply.body
         except OSError as exc:
             return case, -1, "", repr(exc).encode()
 
@@ -150,7 +106,8 @@ def test_a_thousand_malformed_requests_get_4xx_and_hurt_nobody(mesh, reference_t
     for node, layers in (("head", range(0, 15)), ("tail", range(15, 30))):
         for _ in range(3):
             base = forward_base(rng, node, layers)
-            status, _, body = send(nodes[node].port, base)
+            reply = send_case(nodes[node], base)
+            status, body = reply.status, reply.body
             assert status == 200, (str(base), body[:300])
     status, body = nodes["head"].chat(chat_base(random.Random(SEED)) | {"stream": False})
     assert status == 200, body  # this also loads the head's embeddings and tokenizer
@@ -161,7 +118,7 @@ def test_a_thousand_malformed_requests_get_4xx_and_hurt_nobody(mesh, reference_t
     cases = build_cases(rng)
     assert len(cases) >= 1000
     rss_before = {name: rss_mb(d) for name, d in nodes.items()}
-    with HealthWatch(list(nodes.values())) as health, ThreadPoolExecutor(PARALLEL) as pool:
+    with NodeWatch(list(nodes.values()), "/health", timeout=5) as health, ThreadPoolExecutor(PARALLEL) as pool:
         results = list(pool.map(run, cases))
     rss_after = {name: rss_mb(d) for name, d in nodes.items()}
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from daemon.model import source
 from daemon.model.device import dtype_name, resolve_device, resolve_dtype
 from daemon.model.gguf_convert import gguf_layer_count, write_gguf_range
 from daemon.model.source import default_gguf_path, gguf_range_folder, resolve_model
-from tests.support.meshd import Daemon, start_mesh
+from tests.support.meshd import Daemon, run_meshd_in_process, start_mesh
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 VOCAB = 512  # the built-in vocabulary's first 512 tokens: a GGUF header that parses in milliseconds
@@ -382,16 +381,21 @@ def test_a_mesh_of_range_nodes_emits_generates_tokens(built_in_gguf: Path, refer
             node.stop()
 
 
-def _peak_kib(gguf_path: Path, layers: str) -> int:
-    """VmHWM of a ready meshd for ``layers`` of ``gguf_path``, converting into a fresh cache."""
+def _peaks_kib(gguf_path: Path, *layer_ranges: str) -> list[int]:
+    """VmHWM of a ready meshd for each of ``layer_ranges`` of ``gguf_path``, each converting into a fresh cache of
+    its own (side by side: each peak is its own process's)."""
     with tempfile.TemporaryDirectory() as cache:
-        node = Daemon(gguf_path, layers, env={"MESHNET_CACHE_DIR": cache})
+        nodes = [Daemon(gguf_path, layers, env={"MESHNET_CACHE_DIR": f"{cache}/{layers}"}) for layers in layer_ranges]
         try:
-            node.wait_ready(timeout=600)
-            status = Path(f"/proc/{node.proc.pid}/status").read_text()
-            return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1])
+            peaks = []
+            for node in nodes:
+                node.wait_ready(timeout=600)
+                status = Path(f"/proc/{node.proc.pid}/status").read_text()
+                peaks.append(int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]))
+            return peaks
         finally:
-            node.stop()
+            for node in nodes:
+                node.stop()
 
 
 @pytest.mark.slow
@@ -399,7 +403,7 @@ def test_a_node_for_half_the_layers_peaks_well_below_one_for_all(built_in_gguf: 
     # measured on a 2-core host: before, both peaked at 1,214 MiB (the whole file converted in one
     # process); by range, 15-29 peaks at 919 MiB and 0-29 at 1,148 MiB: 229 MiB apart, about the 15
     # layers' float32 weights. The assertion asks for half of that.
-    half, whole = _peak_kib(built_in_gguf, "15-29"), _peak_kib(built_in_gguf, "0-29")
+    half, whole = _peaks_kib(built_in_gguf, "15-29", "0-29")
     fifteen_layers = 15 * 14 * 1024  # 15 layers of about 14 MB in float32, in KiB
     assert half < whole - fifteen_layers // 2, f"15-29 peaked at {half // 1024} MiB, 0-29 at {whole // 1024} MiB"
 
@@ -408,10 +412,10 @@ def test_a_node_for_half_the_layers_peaks_well_below_one_for_all(built_in_gguf: 
 
 
 def meshd(*args: str, cache: Path) -> subprocess.CompletedProcess:
+    """``meshd`` converting into the cache folder ``cache``, run in this process (each ends by itself)."""
     import os
 
-    return subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True, timeout=300,
-                          env=os.environ | {"MESHNET_CACHE_DIR": str(cache)})
+    return run_meshd_in_process(*args, env=os.environ | {"MESHNET_CACHE_DIR": str(cache)})
 
 
 def _last_line(result: subprocess.CompletedProcess) -> str:
@@ -488,7 +492,7 @@ def test_fetch_model_converts_a_range_the_whole_file_or_only_counts(tiny_gguf, t
 async def test_the_local_mesh_gives_each_node_the_gguf_to_convert_its_own_range(tiny_gguf, tmp_path: Path,
                                                                                monkeypatch) -> None:
     from meshtui.local import LocalMesh
-    from tests.support.meshd import http_json
+    from tests.support.http_client import http_json
 
     monkeypatch.setenv("MESHNET_CACHE_DIR", str(tmp_path / "cache"))
     gguf_path = tiny_gguf("Q8_0")

@@ -10,38 +10,19 @@ import http.client
 import json
 import math
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.meshd import Daemon, free_port, http_json, start_mesh
+from tests.support.headers import CACHE, PAST_LEN, REQUEST_ID, SAMPLING, SESSION, SHAPE
+from tests.support.http_client import http_json, send
+from tests.support.meshd import Daemon, free_port, run_meshd_in_process, start_mesh
 
 TOKEN = "s3cret-mesh-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPT = [{"role": "user", "content": "Tell me about owls."}]
-
-
-def request(method: str, url: str, *, body: bytes | None = None, headers: dict | None = None,
-            timeout: float = 60) -> tuple[int, dict, dict]:
-    """(status, headers, JSON body or {}) of one HTTP request."""
-    host, port = url.removeprefix("http://").split("/")[0].split(":")
-    path = "/" + url.removeprefix("http://").split("/", 1)[1]
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        raw = resp.read()
-        try:
-            data = json.loads(raw) if raw else {}
-        except ValueError:
-            data = {"raw": raw.decode(errors="replace")}
-        return resp.status, dict(resp.getheaders()), data
-    finally:
-        conn.close()
 
 
 def chat_body(max_tokens: int = 8, **extra) -> bytes:
@@ -71,7 +52,7 @@ def token_mesh(default_model, tmp_path_factory):
 
 def test_every_endpoint_but_health_needs_the_token(token_mesh):
     head, tail = token_mesh
-    status, _, data = request("GET", head.url + "/health")
+    status, _, data = send("GET", head.url + "/health")
     assert status == 200 and data["status"] == "ok"
     endpoints = [
         ("GET", "/v1/status", None), ("GET", "/v1/sessions", None), ("GET", "/v1/route", None),
@@ -83,20 +64,20 @@ def test_every_endpoint_but_health_needs_the_token(token_mesh):
     for method, path, body in endpoints:
         for headers in ({}, {"Authorization": "Bearer wrong-token-wrong-token"}, {"Authorization": TOKEN},
                         {"Authorization": f"Basic {TOKEN}"}, {"Authorization": f"Bearer {TOKEN}x"}):
-            status, response_headers, data = request(method, tail.url + path, body=body, headers=headers)
+            status, response_headers, data = send(method, tail.url + path, body=body, headers=headers)
             assert status == 401, (method, path, headers, status, data)
             openai_error(data, "invalid_api_key")
     # with the token the same requests reach their handlers
     for method, path in (("GET", "/v1/status"), ("GET", "/v1/sessions"), ("GET", "/metrics")):
-        status, _, _ = request(method, tail.url + path, headers=AUTH)
+        status, _, _ = send(method, tail.url + path, headers=AUTH)
         assert status == 200, path
 
 
 def test_nodes_send_the_token_to_each_other(token_mesh, reference_tokens):
     head, tail = token_mesh
-    status, _, data = request("GET", head.url + "/v1/status", headers=AUTH)
+    status, _, data = send("GET", head.url + "/v1/status", headers=AUTH)
     assert status == 200 and [p["up"] for p in data["peers"]] == [True]  # the head's polls carried the token
-    status, _, data = request("POST", head.url + "/v1/chat/completions", body=chat_body(12), headers=AUTH)
+    status, _, data = send("POST", head.url + "/v1/chat/completions", body=chat_body(12), headers=AUTH)
     assert status == 200, data
     assert data["meshnet"]["token_ids"] == reference_tokens(PROMPT, 12, ignore_eos=True)
     assert [h["url"] for h in data["meshnet"]["route"]] == [head.url, tail.url]  # /forward carried it too
@@ -121,29 +102,28 @@ def test_a_node_with_another_token_is_down_to_its_peers(default_model, tmp_path,
     stranger = Daemon(default_model, "15-29", env={"MESHNET_TOKEN": "another-token-entirely-000"},
                       log_dir=tmp_path).wait_ready()
     try:
-        status, _, data = request("POST", head.url + "/v1/peers", headers=AUTH,
-                                  body=json.dumps({"url": stranger.url}).encode())
+        status, _, data = send("POST", head.url + "/v1/peers", headers=AUTH,
+                               body=json.dumps({"url": stranger.url}).encode())
         assert status == 200
         peer = {p["url"]: p for p in data["peers"]}[stranger.url]
         assert peer["up"] is False and "401" in peer["error"]
     finally:
-        request("DELETE", head.url + f"/v1/peers?url={stranger.url}", headers=AUTH)
+        send("DELETE", head.url + f"/v1/peers?url={stranger.url}", headers=AUTH)
         stranger.stop()
 
 
 @pytest.mark.slow
 def test_binding_beyond_loopback_without_a_token_warns_loudly(tmp_path):
-    # the model does not exist, so the node stops before it binds anything: only the warning is tested
+    # the model does not exist, so the node stops before it binds anything: only the warning is tested (in this
+    # process: the command refuses as it would on its own)
     missing = tmp_path / "no-model"
-    run = subprocess.run([sys.executable, "-m", "daemon.cli", "--host", "0.0.0.0", "--port", str(free_port()),
-                          "--model", str(missing)], capture_output=True, text=True, timeout=120,
-                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    run = run_meshd_in_process("--host", "0.0.0.0", "--port", str(free_port()), "--model", str(missing),
+                               env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert run.returncode != 0
     assert "WARNING: listening on 0.0.0.0 without an API key" in run.stderr
     for variable in ("MESHNET_TOKEN", "MESHNET_API_KEY"):  # the key by either name
-        quiet = subprocess.run([sys.executable, "-m", "daemon.cli", "--host", "0.0.0.0", "--port", str(free_port()),
-                                "--model", str(missing)], capture_output=True, text=True, timeout=120,
-                               env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), variable: TOKEN})
+        quiet = run_meshd_in_process("--host", "0.0.0.0", "--port", str(free_port()), "--model", str(missing),
+                                     env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), variable: TOKEN})
         assert "WARNING" not in quiet.stderr and "error" in quiet.stderr
 
 
@@ -161,21 +141,20 @@ def limited(tiny_model, tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_body_over_the_limit_is_a_413(limited):
-    status, _, data = request("POST", limited.url + "/v1/chat/completions",
-                              body=json.dumps({"messages": [{"role": "user", "content": "x" * 70000}]}).encode(),
-                              headers={"Content-Type": "application/json"})
+    status, _, data = send("POST", limited.url + "/v1/chat/completions",
+                           body=json.dumps({"messages": [{"role": "user", "content": "x" * 70000}]}).encode(),
+                           headers={"Content-Type": "application/json"})
     assert status == 413
     openai_error(data, "request_too_large")
-    status, _, data = request("POST", limited.url + "/forward", body=b"\0" * 70000,
-                              headers={"X-Meshnet-Shape": "1,1,70000"})
+    status, _, data = send("POST", limited.url + "/forward", body=b"\0" * 70000, headers={SHAPE: "1,1,70000"})
     assert status == 413
 
 
 @pytest.mark.slow
 def test_max_tokens_above_the_cap_is_a_400(limited):
-    status, _, data = request("POST", limited.url + "/v1/chat/completions", body=chat_body(65))
+    status, _, data = send("POST", limited.url + "/v1/chat/completions", body=chat_body(65))
     assert status == 400 and data["error"]["param"] == "max_tokens"
-    status, _, data = request("POST", limited.url + "/v1/chat/completions", body=chat_body(64))
+    status, _, data = send("POST", limited.url + "/v1/chat/completions", body=chat_body(64))
     assert status == 200 and data["usage"]["completion_tokens"] == 64
 
 
@@ -184,42 +163,40 @@ def test_a_prompt_longer_than_the_context_is_a_400_before_any_work(limited):
     # the tiny model's context is 1024 positions; this prompt is far longer but the body is under 64 KiB
     words = " ".join(["owl"] * 5000)
     steps = limited.get("/v1/status")["steps_served"]
-    status, _, data = request("POST", limited.url + "/v1/chat/completions",
-                              body=json.dumps({"messages": [{"role": "user", "content": words}]}).encode())
+    status, _, data = send("POST", limited.url + "/v1/chat/completions",
+                           body=json.dumps({"messages": [{"role": "user", "content": words}]}).encode())
     assert status == 400 and "context" in data["error"]["message"]
     assert limited.get("/v1/status")["steps_served"] == steps  # nothing ran for it
     # a /forward whose positions would pass the context is refused too
     hidden = limited.get("/v1/status")["model"]["hidden_size"]
-    status, _, data = request("POST", limited.url + "/forward", body=b"\0" * (4 * hidden * 2), headers={
-        "X-Meshnet-Shape": f"1,2,{hidden}", "X-Meshnet-Cache": "decode", "X-Meshnet-Session": "s1",
-        "X-Meshnet-Past-Len": "1023"})
+    status, _, data = send("POST", limited.url + "/forward", body=b"\0" * (4 * hidden * 2), headers={
+        SHAPE: f"1,2,{hidden}", CACHE: "decode", SESSION: "s1", PAST_LEN: "1023"})
     assert status == 400 and "context" in data["error"]["message"]
 
 
 @pytest.mark.slow
 def test_no_cors_unless_origins_are_allowed(limited):
     # a node started without --allowed-origins answers no browser's preflight and names no origin
-    status, headers, _ = request("OPTIONS", limited.url + "/v1/chat/completions", headers={
+    status, headers, _ = send("OPTIONS", limited.url + "/v1/chat/completions", headers={
         "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
     assert status == 405 and not any(h.lower().startswith("access-control-") for h in headers)
-    status, headers, _ = request("GET", limited.url + "/v1/models", headers={"Origin": "https://app.example"})
+    status, headers, _ = send("GET", limited.url + "/v1/models", headers={"Origin": "https://app.example"})
     assert status == 200 and not any(h.lower().startswith("access-control-") for h in headers)
 
 
 @pytest.mark.slow
 def test_bounds_on_session_ids_and_header_values(limited):
     hidden = limited.get("/v1/status")["model"]["hidden_size"]
-    base = {"X-Meshnet-Shape": f"1,1,{hidden}", "X-Meshnet-Cache": "prefill"}
+    base = {SHAPE: f"1,1,{hidden}", CACHE: "prefill"}
     body = b"\0" * (4 * hidden)
-    status, _, data = request("POST", limited.url + "/forward", body=body,
-                              headers=base | {"X-Meshnet-Session": "a" * 129})
-    assert status == 400 and data["error"]["param"] == "X-Meshnet-Session"
-    status, _, data = request("POST", limited.url + "/forward", body=body,
-                              headers=base | {"X-Meshnet-Session": "s", "X-Meshnet-Sampling": "{" + " " * 2000 + "}"})
-    assert status == 400 and data["error"]["param"] == "X-Meshnet-Sampling"
-    status, _, _ = request("POST", limited.url + "/forward", body=body, headers=base | {"X-Junk": "j" * 20000})
+    status, _, data = send("POST", limited.url + "/forward", body=body, headers=base | {SESSION: "a" * 129})
+    assert status == 400 and data["error"]["param"] == SESSION
+    status, _, data = send("POST", limited.url + "/forward", body=body,
+                           headers=base | {SESSION: "s", SAMPLING: "{" + " " * 2000 + "}"})
+    assert status == 400 and data["error"]["param"] == SAMPLING
+    status, _, _ = send("POST", limited.url + "/forward", body=body, headers=base | {"X-Junk": "j" * 20000})
     assert 400 <= status < 500  # an oversized header is refused by the HTTP parser itself
-    assert request("GET", limited.url + "/health")[0] == 200
+    assert send("GET", limited.url + "/health").status == 200
 
 
 @pytest.mark.slow
@@ -227,14 +204,14 @@ def test_generations_beyond_the_limit_get_429_with_retry_after(limited):
     events = limited.stream(json.loads(chat_body(64)), timeout=60)
     next(events)  # the first generation is running
     try:
-        status, headers, data = request("POST", limited.url + "/v1/chat/completions", body=chat_body(4))
+        status, headers, data = send("POST", limited.url + "/v1/chat/completions", body=chat_body(4))
         assert status == 429
         assert int(headers["Retry-After"]) >= 1
         openai_error(data, "too_many_generations")
     finally:
         for _ in events:
             pass
-    status, _, _ = request("POST", limited.url + "/v1/chat/completions", body=chat_body(4))
+    status, _, _ = send("POST", limited.url + "/v1/chat/completions", body=chat_body(4))
     assert status == 200  # the slot is free again
 
 
@@ -244,13 +221,8 @@ def test_generations_beyond_the_limit_get_429_with_retry_after(limited):
 def slow_two_node(tiny_model, tmp_path, *, extra: list[str] = ()) -> tuple[Daemon, Daemon]:
     """A head (layers 0-1) before a tail that answers every step 30 ms late: however fast the host, a
     generation of N tokens takes at least N * 30 ms, so a test can act while it runs."""
-    tail = Daemon(tiny_model("llama"), "2-3", variant="slow-30", log_dir=tmp_path)
-    head = Daemon(tiny_model("llama"), "0-1", peers=[tail], extra=list(extra), log_dir=tmp_path)
-    try:
-        tail.wait_ready(), head.wait_ready(), head.wait_peers(1)
-    except BaseException:
-        head.stop(), tail.stop()
-        raise
+    head, tail = start_mesh(tiny_model("llama"), [("0-1", list(extra)), ("2-3", [], "slow-30")], peers=[[1], []],
+                            log_dir=tmp_path)
     return head, tail
 
 
@@ -272,17 +244,17 @@ def test_sigterm_drains_running_generations_then_exits(tiny_model, tmp_path):
             time.sleep(0.02)
         node.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 5
-        while request("GET", node.url + "/health")[0] != 503 and time.monotonic() < deadline:
+        while send("GET", node.url + "/health").status != 503 and time.monotonic() < deadline:
             time.sleep(0.02)
 
-        status, headers, data = request("GET", node.url + "/health")
+        status, headers, data = send("GET", node.url + "/health")
         assert status == 503 and data["status"] == "draining"
-        status, headers, data = request("POST", node.url + "/v1/chat/completions", body=chat_body(4))
+        status, headers, data = send("POST", node.url + "/v1/chat/completions", body=chat_body(4))
         assert status == 503 and int(headers["Retry-After"]) >= 1
         openai_error(data, "draining")
-        status, _, _ = request("POST", node.url + "/forward", body=b"")
+        status, _, _ = send("POST", node.url + "/forward", body=b"")
         assert status == 503
-        assert request("GET", node.url + "/v1/status")[2]["draining"] is True  # read-only state still answers
+        assert send("GET", node.url + "/v1/status").data["draining"] is True  # read-only state still answers
 
         reader.join(60)
         assert result["errors"] == [] and result["finish"][-1]["choices"][0]["finish_reason"] == "length"
@@ -321,12 +293,9 @@ def test_the_grace_period_bounds_the_wait(tiny_model, tmp_path):
 
 
 def samples(daemon: Daemon) -> dict[str, float]:
-    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=10)
-    conn.request("GET", "/metrics", headers=AUTH)
-    resp = conn.getresponse()
-    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/plain")
-    text = resp.read().decode()
-    conn.close()
+    reply = send("GET", daemon.url + "/metrics", headers=AUTH, timeout=10)
+    assert reply.status == 200 and reply.headers.get("Content-Type").startswith("text/plain")
+    text = reply.body.decode()
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -338,7 +307,7 @@ def samples(daemon: Daemon) -> dict[str, float]:
 def test_metrics_count_what_a_generation_did(token_mesh):
     head, tail = token_mesh
     before_head, before_tail = samples(head), samples(tail)
-    status, _, data = request("POST", head.url + "/v1/chat/completions", body=chat_body(10), headers=AUTH)
+    status, _, data = send("POST", head.url + "/v1/chat/completions", body=chat_body(10), headers=AUTH)
     assert status == 200
     after_head, after_tail = samples(head), samples(tail)
 
@@ -367,9 +336,9 @@ def test_metrics_count_what_a_generation_did(token_mesh):
 def test_one_request_id_follows_a_generation_across_nodes(token_mesh):
     head, tail = token_mesh
     rid = f"trace-{time.time_ns()}"
-    status, headers, _ = request("POST", head.url + "/v1/chat/completions", body=chat_body(3),
-                                 headers=AUTH | {"X-Request-Id": rid})
-    assert status == 200 and headers["X-Request-Id"] == rid
+    status, headers, _ = send("POST", head.url + "/v1/chat/completions", body=chat_body(3),
+                              headers=AUTH | {REQUEST_ID: rid})
+    assert status == 200 and headers[REQUEST_ID] == rid
 
     def lines(daemon: Daemon) -> list[dict]:
         out = []
@@ -390,8 +359,8 @@ def test_one_request_id_follows_a_generation_across_nodes(token_mesh):
     # a prefill, or (a prompt this mesh has seen the start of) an extend from a session it kept
     assert any("prefill" in r["message"] or "tokens of session" in r["message"] for r in tail_lines)
     # a junk id is not echoed into logs: the node makes its own
-    status, headers, _ = request("GET", head.url + "/v1/status", headers=AUTH | {"X-Request-Id": "bad id\twith junk"})
-    assert status == 200 and headers["X-Request-Id"] != "bad id\twith junk"
+    status, headers, _ = send("GET", head.url + "/v1/status", headers=AUTH | {REQUEST_ID: "bad id\twith junk"})
+    assert status == 200 and headers[REQUEST_ID] != "bad id\twith junk"
     assert http_json("GET", head.url + "/health")[0] == 200
 
 
@@ -401,8 +370,8 @@ def test_non_finite_activations_are_a_400_on_the_tail(limited):
 
     hidden = limited.get("/v1/status")["model"]["hidden_size"]
     for sampling in ('{"temperature": 0.7, "seed": 1}', '{"temperature": 0}'):
-        status, _, data = request("POST", limited.url + "/forward", body=struct.pack("<f", math.nan) * hidden,
-                                  headers={"X-Meshnet-Shape": f"1,1,{hidden}", "X-Meshnet-Sampling": sampling})
+        status, _, data = send("POST", limited.url + "/forward", body=struct.pack("<f", math.nan) * hidden,
+                               headers={SHAPE: f"1,1,{hidden}", SAMPLING: sampling})
         assert status == 400, (status, data)
         assert "non-finite" in data["error"]["message"]
-    assert request("GET", limited.url + "/health")[0] == 200
+    assert send("GET", limited.url + "/health").status == 200

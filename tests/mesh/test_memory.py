@@ -43,21 +43,23 @@ def peak_rss_bytes(daemon: Daemon) -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
-def loaded(folder, layers: str, dtype: str, tmp_path) -> tuple[int, dict]:
-    """Start a node for ``layers`` in ``dtype``, and return its peak resident set and its status."""
-    node = Daemon(folder, layers, dtype=dtype, log_dir=tmp_path).wait_ready()
+def loaded(folder, layer_ranges: list[str], dtype: str, tmp_path) -> list[tuple[int, dict]]:
+    """Start a node for each of ``layer_ranges`` in ``dtype`` (side by side: each peak is its own process's), and
+    return each one's peak resident set and its status."""
+    nodes = [Daemon(folder, layers, dtype=dtype, log_dir=tmp_path) for layers in layer_ranges]
     try:
-        status = node.get("/v1/status")
-        return peak_rss_bytes(node), status
+        for node in nodes:
+            node.wait_ready()
+        return [(peak_rss_bytes(node), node.get("/v1/status")) for node in nodes]
     finally:
-        node.stop()
+        for node in nodes:
+            node.stop()
 
 
 @pytest.mark.slow
 def test_a_node_peaks_at_its_layers_bytes_in_bfloat16(synthetic_bfloat16, tmp_path):
     folder, layer_bytes = synthetic_bfloat16
-    small_peak, small = loaded(folder, "1-4", "bfloat16", tmp_path)
-    large_peak, large = loaded(folder, "1-12", "bfloat16", tmp_path)
+    (small_peak, small), (large_peak, large) = loaded(folder, ["1-4", "1-12"], "bfloat16", tmp_path)
     assert small["weights_bytes"] == {"layers": 4 * layer_bytes, "final_norm_and_lm_head": 0, "embeddings": 0}
     assert large["weights_bytes"]["layers"] == 12 * layer_bytes
     extra_bytes = 8 * layer_bytes
@@ -73,7 +75,6 @@ def test_a_node_peaks_at_its_layers_bytes_in_bfloat16(synthetic_bfloat16, tmp_pa
 def test_float32_on_the_same_checkpoint_costs_twice_the_bytes(synthetic_bfloat16, tmp_path):
     """The same bfloat16 checkpoint computed in float32 holds each weight in 4 bytes: twice the peak per layer."""
     folder, layer_bytes = synthetic_bfloat16
-    small_peak, small = loaded(folder, "1-4", "float32", tmp_path)
-    large_peak, large = loaded(folder, "1-12", "float32", tmp_path)
+    (small_peak, small), (large_peak, large) = loaded(folder, ["1-4", "1-12"], "float32", tmp_path)
     assert large["weights_bytes"]["layers"] - small["weights_bytes"]["layers"] == 2 * 8 * layer_bytes
     assert large_peak - small_peak <= PEAK_PER_BYTE * 2 * 8 * layer_bytes

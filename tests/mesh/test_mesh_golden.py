@@ -3,13 +3,12 @@ produce exactly the tokens of transformers' own ``generate`` in one process."""
 
 from __future__ import annotations
 
-import json
 import threading
-import urllib.request
 
 import pytest
 
-from tests.support.meshd import Daemon, http_json, start_mesh
+from tests.support.http_client import http_json
+from tests.support.meshd import Daemon, start_mesh
 
 PROMPTS = [
     [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle."}],
@@ -82,25 +81,15 @@ def test_eviction_mid_generation_costs_one_reprefill(two_nodes, reference_tokens
     """Drop the tail's session while a stream runs: one re-prefill, then identical tokens."""
     head, tail = two_nodes
     messages = PROMPTS[0]
-    request = urllib.request.Request(
-        head.url + "/v1/chat/completions",
-        data=json.dumps({"messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0,
-                         "ignore_eos": True, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
     chunks, evicted = [], threading.Event()
-    with urllib.request.urlopen(request, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunks.append(json.loads(line[6:]))
-            if len(chunks) == 20 and not evicted.is_set():
-                sessions = tail.get("/v1/sessions")["sessions"]
-                assert sessions, "the tail should hold the running session"
-                for s in sessions:
-                    assert http_json("DELETE", f"{tail.url}/v1/sessions/{s['session_id']}")[0] == 200
-                evicted.set()
+    for chunk in head.stream({"messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}):
+        chunks.append(chunk)
+        if len(chunks) == 20 and not evicted.is_set():
+            sessions = tail.get("/v1/sessions")["sessions"]
+            assert sessions, "the tail should hold the running session"
+            for s in sessions:
+                assert http_json("DELETE", f"{tail.url}/v1/sessions/{s['session_id']}")[0] == 200
+            evicted.set()
     final = next(c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
     stats = final["meshnet"]
     assert evicted.is_set()
@@ -148,13 +137,12 @@ def test_three_overlapping_nodes_match_generate(default_model, reference_tokens,
 @pytest.mark.slow
 def test_legacy_tail_without_token_ids_prefills_every_step(default_model, reference_model, reference_tokens,
                                                           tmp_path):
-    """A tail from before ADR-0022 answers text only: the head re-tokenizes and prefills each step."""
+    """A tail from before token ids answers text only: the head re-tokenizes and prefills each step."""
     _, tokenizer = reference_model
     messages = [{"role": "user", "content": "Name three colours."}]
-    tail = Daemon(default_model, "15-29", variant="legacy-tail", log_dir=tmp_path)
-    head = Daemon(default_model, "0-14", peers=[tail], log_dir=tmp_path)
+    head, tail = start_mesh(default_model, [("0-14", []), ("15-29", [], "legacy-tail")], peers=[[1], []],
+                            log_dir=tmp_path)
     try:
-        tail.wait_ready(), head.wait_ready(), head.wait_peers(1)
         status, body = head.chat({"messages": messages, "max_tokens": 24, "temperature": 0})
         assert status == 200, body
         stats = body["meshnet"]

@@ -8,14 +8,13 @@ validates every response strictly against its types.
 
 from __future__ import annotations
 
-import http.client
 import json
-from urllib.parse import urlsplit
 
 import openai
 import pytest
 import torch
 
+from tests.support.http_client import send
 from tests.support.openai_clients import client, head, mesh, model_dir  # noqa: F401 (pytest fixtures)
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -43,17 +42,11 @@ def reference(model_dir):
     return run
 
 
-def raw_post(url: str, path: str, body: bytes, content_type: str = "application/json") -> tuple[int, dict]:
-    u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
-    try:
-        conn.request("POST", path, body=body, headers={"Content-Type": content_type})
-        resp = conn.getresponse()
-        data = resp.read()
-        assert resp.getheader("Content-Type", "").startswith("application/json"), (resp.status, data[:300])
-        return resp.status, json.loads(data)
-    finally:
-        conn.close()
+def raw_post(url: str, path: str, body: bytes) -> tuple[int, dict]:
+    """POST ``body`` as it is, labelled JSON; the answer must be JSON, whatever its status."""
+    reply = send("POST", url + path, body, {"Content-Type": "application/json"}, timeout=300)
+    assert reply.headers.get("Content-Type", "").startswith("application/json"), (reply.status, reply.body[:300])
+    return reply.status, reply.json()
 
 
 def assert_openai_error(status: int, body: dict, param: str | None = None) -> None:
@@ -76,13 +69,9 @@ def greedy16(client):
 
 
 def test_health(head):
-    u = urlsplit(head.url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
-    conn.request("GET", "/health")
-    resp = conn.getresponse()
-    assert resp.status == 200
-    assert json.loads(resp.read())["status"] == "ok"
-    conn.close()
+    reply = send("GET", head.url + "/health", timeout=30)
+    assert reply.status == 200
+    assert reply.json()["status"] == "ok"
 
 
 def test_models_list_shows_the_model(client, mesh, model_dir):

@@ -17,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from tests.support.meshd import http_json
+from tests.support.http_client import http_json
 from tests.support.openai_clients import client, head, mesh, model_dir  # noqa: F401 (pytest fixtures)
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]

@@ -12,7 +12,6 @@ import itertools
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 
@@ -20,14 +19,15 @@ from daemon.api import format_layers
 from daemon.model.footprint import LayerCache, ModelFootprint, PartValues, Precision, read_footprint
 from daemon.plan import parse_size, plan_mesh
 from daemon.plan.split import GIB
-from tests.support.meshd import Daemon, free_port, http_json, node_url
+from tests.support.http_client import http_json
+from tests.support.meshd import Daemon, run_meshd_in_process, start_mesh
 
 MIB = 1 << 20
 
 
-def meshd_plan(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "daemon.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=timeout)
+def meshd_plan(*args: str) -> subprocess.CompletedProcess:
+    """``meshd plan``, run in this process: the planner reads files and prints, it starts nothing."""
+    return run_meshd_in_process("plan", *args)
 
 
 def plan_of(*args: str) -> dict:
@@ -233,22 +233,9 @@ def test_a_node_too_small_for_one_layer_is_named():
 
 
 def start_nodes(model, plan: dict) -> list[Daemon]:
-    ports = [free_port() for _ in plan["nodes"]]
-    urls = [node_url("127.0.0.1", p) for p in ports]
-    nodes = []
-    try:
-        for i, (node, port) in enumerate(zip(plan["nodes"], ports)):
-            nodes.append(Daemon(model, node["layers"], port=port, peer_urls=urls[:i] + urls[i + 1:],
-                                extra=["--kv-max-bytes", str(node["kv_max_bytes"])]))
-        for node in nodes:
-            node.wait_ready()
-        for node in nodes:
-            node.wait_peers(len(nodes) - 1)
-    except BaseException:
-        for node in nodes:
-            node.stop()
-        raise
-    return nodes
+    """A mesh of the planned nodes, each with the session cache budget its plan gives it."""
+    return start_mesh(model, [(node["layers"], ["--kv-max-bytes", str(node["kv_max_bytes"])])
+                              for node in plan["nodes"]])
 
 
 @pytest.mark.slow

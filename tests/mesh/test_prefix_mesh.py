@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.meshd import Daemon, http_json, start_mesh
+from tests.support.http_client import http_json
+from tests.support.meshd import Daemon, start_mesh
 
 SYSTEM = {"role": "system", "content": "You are a patient tutor who answers in two short sentences. " * 6}
 QUESTIONS = ["What is the capital of France?", "And of Spain?", "Name a river there."]
@@ -122,9 +123,10 @@ def test_a_conversation_whose_session_was_evicted_prefills_again_exactly(mesh, r
 @pytest.mark.slow
 def test_a_new_route_prefills_and_an_old_node_falls_back_exactly(default_model, reference_tokens, tmp_path):
     """After a reroute nothing held on the old route is used; a node from before prefix reuse answers 409."""
-    head = Daemon(default_model, "0-14", log_dir=tmp_path).wait_ready()
-    tail = Daemon(default_model, "15-29", peers=[head], log_dir=tmp_path).wait_ready()
+    head = Daemon(default_model, "0-14", log_dir=tmp_path)
+    tail = Daemon(default_model, "15-29", peers=[head], log_dir=tmp_path)  # loads while the head does
     try:
+        head.wait_ready(), tail.wait_ready()
         http_json("POST", f"{head.url}/v1/peers", {"url": tail.url})
         head.wait_peers(1)
         messages, _ = converse(head, reference_tokens, questions=QUESTIONS[:1])

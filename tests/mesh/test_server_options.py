@@ -3,33 +3,19 @@ and one-line errors for every bad value. A real meshd on 127.0.0.1 with the tiny
 
 from __future__ import annotations
 
-import http.client
-import json
 import subprocess
 import sys
 
 import pytest
 
-from tests.support.meshd import Daemon, free_port
+from tests.support.http_client import send
+from tests.support.meshd import Daemon, free_port, run_meshd, run_meshd_in_process
 
 KEY = "conventional-api-key-0123456789"
 ORIGIN = "https://app.example"
 # renders each message's text alone: far fewer prompt tokens than the model's own template (its system prompt)
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 PROMPT = [{"role": "user", "content": "Tell me about owls."}]
-
-
-def request(node: Daemon, method: str, path: str, *, body: dict | None = None,
-            headers: dict | None = None) -> tuple[int, dict, dict]:
-    """(status, headers, JSON body or {}) of one request to ``node``."""
-    conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=120)
-    try:
-        conn.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers or {})
-        resp = conn.getresponse()
-        raw = resp.read()
-        return resp.status, dict(resp.getheaders()), json.loads(raw) if raw.strip() else {}
-    finally:
-        conn.close()
 
 
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
@@ -49,15 +35,15 @@ def node(tiny_model, tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_api_key_from_its_file_guards_every_endpoint_but_health(node):
-    assert request(node, "GET", "/health")[0] == 200
-    assert request(node, "GET", "/v1/status")[0] == 401
-    assert request(node, "GET", "/v1/status", headers={"Authorization": "Bearer not-the-key-at-all"})[0] == 401
-    assert request(node, "GET", "/v1/status", headers=AUTH)[0] == 200
+    assert send("GET", node.url + "/health").status == 200
+    assert send("GET", node.url + "/v1/status").status == 401
+    assert send("GET", node.url + "/v1/status", headers={"Authorization": "Bearer not-the-key-at-all"}).status == 401
+    assert send("GET", node.url + "/v1/status", headers=AUTH).status == 200
 
 
 @pytest.mark.slow
 def test_a_preflight_from_an_allowed_origin_passes_without_the_key(node):
-    status, headers, _ = request(node, "OPTIONS", "/v1/chat/completions", headers={
+    status, headers, _ = send("OPTIONS", node.url + "/v1/chat/completions", headers={
         "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"})
     assert status == 204
@@ -70,42 +56,36 @@ def test_a_preflight_from_an_allowed_origin_passes_without_the_key(node):
 
 @pytest.mark.slow
 def test_answers_to_an_allowed_origin_carry_cors_headers_errors_and_streams_too(node):
-    status, headers, _ = request(node, "GET", "/v1/models", headers=AUTH | {"Origin": ORIGIN})
+    status, headers, _ = send("GET", node.url + "/v1/models", headers=AUTH | {"Origin": ORIGIN})
     assert status == 200 and headers["Access-Control-Allow-Origin"] == ORIGIN and "Origin" in headers["Vary"]
-    status, headers, _ = request(node, "GET", "/v1/models", headers={"Origin": ORIGIN})  # no key
+    status, headers, _ = send("GET", node.url + "/v1/models", headers={"Origin": ORIGIN})  # no key
     assert status == 401 and headers["Access-Control-Allow-Origin"] == ORIGIN  # the page can read why
-    conn = http.client.HTTPConnection("127.0.0.1", node.port, timeout=120)
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps({"messages": PROMPT, "max_tokens": 2, "stream": True}),
-                     AUTH | {"Origin": ORIGIN})
-        resp = conn.getresponse()
-        assert resp.status == 200 and resp.getheader("Access-Control-Allow-Origin") == ORIGIN
-        resp.read()
-    finally:
-        conn.close()
+    reply = send("POST", node.url + "/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 2, "stream": True},
+                 headers=AUTH | {"Origin": ORIGIN})
+    assert reply.status == 200 and reply.headers.get("Access-Control-Allow-Origin") == ORIGIN
 
 
 @pytest.mark.slow
 def test_other_origins_get_no_cors_headers(node):
-    status, headers, _ = request(node, "OPTIONS", "/v1/chat/completions", headers={
+    status, headers, _ = send("OPTIONS", node.url + "/v1/chat/completions", headers={
         "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
     assert status == 401 and "Access-Control-Allow-Origin" not in headers
-    status, headers, _ = request(node, "GET", "/v1/models", headers=AUTH | {"Origin": "https://evil.example"})
+    status, headers, _ = send("GET", node.url + "/v1/models", headers=AUTH | {"Origin": "https://evil.example"})
     assert status == 200 and "Access-Control-Allow-Origin" not in headers
 
 
 @pytest.mark.slow
 def test_max_model_len_bounds_prompt_and_answer_and_is_reported(node):
-    assert request(node, "GET", "/v1/status", headers=AUTH)[2]["context_length"] == 64
-    assert request(node, "GET", "/v1/models", headers=AUTH)[2]["data"][0]["max_model_len"] == 64
-    status, _, data = request(node, "POST", "/v1/chat/completions", headers=AUTH,
-                              body={"messages": PROMPT, "max_tokens": 65})
+    assert send("GET", node.url + "/v1/status", headers=AUTH).data["context_length"] == 64
+    assert send("GET", node.url + "/v1/models", headers=AUTH).data["data"][0]["max_model_len"] == 64
+    status, _, data = send("POST", node.url + "/v1/chat/completions", headers=AUTH,
+                           json={"messages": PROMPT, "max_tokens": 65})
     assert status == 400 and data["error"]["param"] == "max_tokens"
-    status, _, data = request(node, "POST", "/v1/chat/completions", headers=AUTH,
-                              body={"messages": [{"role": "user", "content": " ".join(["owl"] * 80)}]})
+    status, _, data = send("POST", node.url + "/v1/chat/completions", headers=AUTH,
+                           json={"messages": [{"role": "user", "content": " ".join(["owl"] * 80)}]})
     assert status == 400 and "this node's --max-model-len is 64" in data["error"]["message"], data
-    status, _, data = request(node, "POST", "/v1/chat/completions", headers=AUTH,
-                              body={"messages": PROMPT, "max_tokens": 64, "ignore_eos": True, "temperature": 0})
+    status, _, data = send("POST", node.url + "/v1/chat/completions", headers=AUTH,
+                           json={"messages": PROMPT, "max_tokens": 64, "ignore_eos": True, "temperature": 0})
     assert status == 200
     usage = data["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 64, usage
@@ -117,8 +97,8 @@ def test_the_chat_template_file_replaces_the_models(node, tiny_model):
 
     tokenizer = Tokenizer.from_file(str(tiny_model("llama") / "tokenizer.json"))
     expected = len(tokenizer.encode("Tell me about owls.\n", add_special_tokens=False).ids)
-    status, _, data = request(node, "POST", "/v1/chat/completions", headers=AUTH,
-                              body={"messages": PROMPT, "max_tokens": 1})
+    status, _, data = send("POST", node.url + "/v1/chat/completions", headers=AUTH,
+                           json={"messages": PROMPT, "max_tokens": 1})
     assert status == 200 and data["usage"]["prompt_tokens"] == expected
 
 
@@ -126,9 +106,15 @@ def test_the_chat_template_file_replaces_the_models(node, tiny_model):
 
 
 def meshd(tmp_path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "daemon.cli", "--port", str(free_port()), *args],
-                          capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)} | (env or {}))
+    """``meshd`` on a free port, in an environment of PATH, a home with no config, and ``env``."""
+    return run_meshd("--port", str(free_port()), *args,
+                     env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)} | (env or {}))
+
+
+def meshd_here(tmp_path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """:func:`meshd` run in this process (for a command that refuses to start): no Python start of its own."""
+    return run_meshd_in_process("--port", str(free_port()), *args,
+                                env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)} | (env or {}))
 
 
 def one_line_error(result: subprocess.CompletedProcess, *expected: str) -> None:
@@ -177,9 +163,15 @@ def pem(tmp_path_factory):
     ([], {"MESHNET_LOG_LEVEL": "verbose"}, ["MESHNET_LOG_LEVEL"]),
 ])
 def test_a_bad_server_option_is_one_line(tmp_path, pem, args, env, expected):
+    """Run in this process (the next test runs one as a command of its own)."""
     args = [a.format(d=pem) for a in args]
     env = {k: v.format(d=pem) for k, v in env.items()}
-    one_line_error(meshd(tmp_path, *args, env=env), *expected)
+    one_line_error(meshd_here(tmp_path, *args, env=env), *expected)
+
+
+def test_a_refusal_leaves_the_command_as_one_line_without_a_traceback(tmp_path, pem):
+    result = meshd(tmp_path, "--ssl-certfile", str(pem / "cert.pem"), "--ssl-keyfile", str(pem / "other-key.pem"))
+    one_line_error(result, "is not the private key")
 
 
 @pytest.mark.slow
@@ -191,7 +183,7 @@ def test_a_bad_server_option_is_one_line(tmp_path, pem, args, env, expected):
 def test_a_server_option_that_does_not_fit_the_model_is_one_line(tmp_path, tiny_model, args, expected):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }")
     (tmp_path / "refusing.jinja").write_text("{{ raise_exception('no system turns here') }}")
-    result = meshd(tmp_path, "--model", str(tiny_model("llama")), *[a.format(d=tmp_path) for a in args])
+    result = meshd_here(tmp_path, "--model", str(tiny_model("llama")), *[a.format(d=tmp_path) for a in args])
     one_line_error(result, *expected)
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from daemon.bench.mesh import percentile
-from tests.support.meshd import Daemon, http_json, start_mesh
+from tests.support.meshd import Daemon, start_mesh
+from tests.support.watch import NodeWatch
 
 pytestmark = pytest.mark.slow  # a long end-to-end run: in .ci/run, not in the fast subset
 
@@ -83,36 +84,10 @@ def run_stream(head: Daemon, run: StreamRun, start: threading.Barrier) -> None:
     run.ended = time.perf_counter()
 
 
-class StoreWatch:
-    """Polls both nodes' /v1/status until stopped, keeping every store snapshot and every bad answer."""
-
-    def __init__(self, daemons: list[Daemon]) -> None:
-        self.daemons = daemons
-        self.snapshots: list[tuple[str, dict]] = []
-        self.bad: list = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for d in self.daemons:
-                try:
-                    status, body = http_json("GET", d.url + "/v1/status", timeout=10)
-                except OSError as exc:
-                    status, body = repr(exc), {}
-                if status == 200:
-                    self.snapshots.append((d.layers, body["store"]))
-                else:
-                    self.bad.append((d.layers, status, body))
-            self._stop.wait(0.1)  # pacing between rounds, not synchronisation
-
-    def __enter__(self) -> StoreWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+def store_watch(daemons: list[Daemon]) -> NodeWatch:
+    """Polls the nodes' /v1/status while a test runs: ``snapshots`` holds every store seen, ``bad`` every other
+    answer."""
+    return NodeWatch(daemons, "/v1/status", keep=lambda status: status["store"])
 
 
 @pytest.fixture
@@ -132,7 +107,7 @@ def test_sixteen_streams_through_four_kv_slots_all_finish_exactly(mesh, referenc
     runs = [StreamRun(p) for p in PROMPTS for _ in range(STREAMS_PER_PROMPT)]
     start = threading.Barrier(len(runs))
     threads = [threading.Thread(target=run_stream, args=(head, run, start)) for run in runs]
-    with StoreWatch(mesh) as watch:
+    with store_watch(mesh) as watch:
         for t in threads:
             t.start()
         for t in threads:
@@ -275,7 +250,7 @@ def test_conversations_reuse_their_sessions_while_the_stores_stay_within_bounds(
         threads = [threading.Thread(target=converse, args=(head, opening, expected, out, start))
                    for opening, out in zip(CONVERSATIONS, results)]
         pressure = threading.Thread(target=one_shots, args=(head, done, noise))
-        with StoreWatch(mesh) as watch:
+        with store_watch(mesh) as watch:
             pressure.start()
             for t in threads:
                 t.start()

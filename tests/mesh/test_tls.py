@@ -46,10 +46,8 @@ def tls_mesh(default_model, pki, tmp_path_factory):
         def node(name: str, layers: str, issuer: str, peers: list[str]) -> Daemon:
             tls = ["--ssl-certfile", str(pki / f"{issuer}-node.pem"), "--ssl-keyfile", str(pki / f"{issuer}-node.pem"),
                    "--ssl-ca-file", str(pki / "mesh-ca.pem")]
-            daemon = Daemon(default_model, layers, port=ports[name], extra=tls, log_dir=logs,
-                            peer_urls=[https(ports[p]) for p in peers], env={"MESHNET_API_KEY": KEY})
-            daemon.url = https(ports[name])  # the helper's requests go over TLS too
-            return daemon
+            return Daemon(default_model, layers, port=ports[name], extra=tls, log_dir=logs,
+                          peer_urls=[https(ports[p]) for p in peers], env={"MESHNET_API_KEY": KEY})
 
         daemons = {"head": node("head", "0-14", "mesh", ["tail", "rogue"]),
                    "tail": node("tail", "15-29", "mesh", ["head"]),

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import quote, quote_from_bytes
 
+from tests.support.headers import CACHE, DTYPE, HOP_INDEX, PAST_LEN, SAMPLING, SESSION, SHAPE, START_LAYER
+
 SEED = 5_2026
 HIDDEN = 576  # the built-in SmolLM2-135M
 CONTEXT = 8192
@@ -21,16 +23,6 @@ LAYERS = 30
 MAX_SEQUENCE = 1 << 20  # what the protocol accepts in a length header at all
 MAX_TOKENS_CAP = 4096
 MAX_BODY = 64 * 1024 * 1024  # the default --max-body-bytes
-
-# the header names are spelled out, not imported from daemon.wire: renaming one breaks the protocol
-SESSION = "X-Meshnet-Session"
-CACHE = "X-Meshnet-Cache"
-PAST_LEN = "X-Meshnet-Past-Len"
-START_LAYER = "X-Meshnet-Start-Layer"
-HOP_INDEX = "X-Meshnet-Hop-Index"
-DTYPE = "X-Meshnet-Dtype"
-SHAPE = "X-Meshnet-Shape"
-SAMPLING = "X-Meshnet-Sampling"
 
 CHAT_PROMPTS = ["Hello!", "What is 2+2?", "Name a colour.", "Say something short."]
 

@@ -1,31 +1,23 @@
-"""Helpers for tests that start real meshd processes on 127.0.0.1."""
+"""The tests' one way to start ``meshd``: a node as a process on 127.0.0.1 (:class:`Daemon`), a mesh of them
+(:func:`start_mesh`), or the command run to its end (:func:`run_meshd`, or :func:`run_meshd_in_process` for one
+that refuses to start)."""
 
 from __future__ import annotations
 
-import http.client
-import json
+import contextlib
+import io
 import os
 import signal
 import subprocess
+import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import pytest
+
 from daemon.api.launch import MeshdProcess, free_port, node_url
-
-
-def http_json(method: str, url: str, body: dict | None = None, timeout: float = 300.0,
-              token: str | None = None) -> tuple[int, dict]:
-    data = json.dumps(body).encode() if body is not None else None
-    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
+from tests.support.http_client import bearer, http_json, send, stream_events
 
 
 class Daemon:
@@ -39,6 +31,8 @@ class Daemon:
         test asks for another, so tokens are compared with the float32 reference of ``tests.conftest``."""
         self.port = port or free_port()
         self.url = node_url("127.0.0.1", self.port)
+        if "--ssl-certfile" in extra:  # it serves HTTPS: this helper's own requests go over TLS too
+            self.url = self.url.replace("http://", "https://", 1)
         self.layers = layers
         args = ["--model", str(model), "--layers", layers, "--port", str(self.port), "--threads", str(threads),
                 "--dtype", dtype, *extra]
@@ -66,6 +60,7 @@ class Daemon:
         return self
 
     def log(self) -> str:
+        """Everything the node has written to stdout and stderr so far."""
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 180.0) -> Daemon:
@@ -84,64 +79,86 @@ class Daemon:
         raise TimeoutError(f"{self.url} sees fewer than {count} peers up: {status['peers']}")
 
     def get(self, path: str) -> dict:
+        """``GET path`` as JSON; it must answer 200."""
         status, body = http_json("GET", self.url + path, token=self.token)
         assert status == 200, (status, body)
         return body
 
     def metrics(self) -> str:
         """``GET /metrics``: Prometheus' text format."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        try:
-            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-            conn.request("GET", "/metrics", headers=headers)
-            return conn.getresponse().read().decode()
-        finally:
-            conn.close()
+        return send("GET", self.url + "/metrics", headers=bearer(self.token), timeout=10).body.decode()
 
     def chat(self, body: dict, timeout: float = 600.0) -> tuple[int, dict]:
+        """``POST /v1/chat/completions``: (status, JSON body)."""
         return http_json("POST", self.url + "/v1/chat/completions", body, timeout=timeout, token=self.token)
 
     def stream(self, body: dict, timeout: float = 600.0) -> Iterator[dict]:
         """POST a streaming chat request and yield each server-sent event's JSON as it arrives."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            headers = {"Content-Type": "application/json"}
-            if self.token:
-                headers["Authorization"] = f"Bearer {self.token}"
-            conn.request("POST", "/v1/chat/completions", json.dumps(body | {"stream": True}), headers)
-            resp = conn.getresponse()
-            assert resp.status == 200, (resp.status, resp.read())
-            while line := resp.readline():
-                line = line.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                if line == b"data: [DONE]":
-                    return
-                yield json.loads(line[len(b"data: "):])
-        finally:
-            conn.close()
+        return stream_events(self.url + "/v1/chat/completions", body | {"stream": True}, bearer(self.token), timeout)
 
     def stop(self) -> None:
+        """SIGINT, as Ctrl-C would: the node drains and exits (killed after a grace of 10 s)."""
         self.process.stop(signal.SIGINT, grace=10.0)
 
 
-def start_mesh(model, specs: list[tuple[str, list[str]]], *, log_dir=None, env=None,
-               dtype: str = "float32") -> list[Daemon]:
-    """Start one node per ``(layers, extra args)``, each knowing all the others; the first is the head."""
+def start_mesh(model, specs: Sequence[tuple], *, peers: Sequence[Sequence[int]] | None = None, log_dir=None,
+               env=None, dtype: str = "float32") -> list[Daemon]:
+    """Start one node per spec, ``(layers, extra args)`` or ``(layers, extra args, variant)``; the first is the head.
+
+    Each node is told of every other one, or, with ``peers``, of the nodes at the indexes ``peers[i]`` lists. Returns
+    once every node answers, sees as many peers up as it was told of, and the head sees all the others (some
+    perhaps learned from its peers); stops them all if one fails.
+    """
     daemons: list[Daemon] = []
     ports = [free_port() for _ in specs]
     urls = [node_url("127.0.0.1", p) for p in ports]
+    told = [[j for j in range(len(specs)) if j != i] for i in range(len(specs))] if peers is None else peers
     try:
-        for i, ((layers, extra), port) in enumerate(zip(specs, ports)):
-            others = urls[:i] + urls[i + 1:]
-            daemons.append(Daemon(model, layers, extra=extra, log_dir=log_dir, env=env, port=port, peer_urls=others,
-                                  dtype=dtype))
+        for i, (spec, port) in enumerate(zip(specs, ports)):
+            layers, extra, variant = (*spec, None)[:3]
+            daemons.append(Daemon(model, layers, extra=extra, log_dir=log_dir, env=env, port=port,
+                                  peer_urls=[urls[j] for j in told[i]], variant=variant, dtype=dtype))
         for d in daemons:
             d.wait_ready()
-        for d in daemons:
-            d.wait_peers(len(daemons) - 1)
+        for i, d in enumerate(daemons):
+            d.wait_peers(len(daemons) - 1 if i == 0 else len(told[i]))
     except BaseException:
         for d in daemons:
             d.stop()
         raise
     return daemons
+
+
+def run_meshd(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the ``meshd`` command to its end (a refusal, a plan, a fetch) with its output captured as text;
+    ``env``, when given, is its whole environment."""
+    return subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def run_meshd_in_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """:func:`run_meshd` without a Python start of its own: the command runs in this process, in ``env`` as its
+    whole environment when given, and what it prints and its exit status come back the same way. For a command
+    that ends by itself (a refusal, a plan): starting to serve fails the test."""
+    from daemon import cli, logs
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        if env is not None:
+            for name in list(os.environ):
+                patch.delenv(name)
+            for name, value in env.items():
+                patch.setenv(name, value)
+        for name in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS"):  # meshd sets them when unset: undone with the rest
+            value = os.environ.get(name)
+            patch.setenv(name, value or "")
+            if value is None:
+                patch.delenv(name)
+        patch.setattr(logs, "setup_logging", lambda **_: None)  # this process keeps its own logging
+        patch.setattr(cli, "run", lambda app, node: pytest.fail(f"meshd {' '.join(args)} started serving"))
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exc:  # argparse's way out, as the command would leave
+                code = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(["meshd", *args], code, out.getvalue(), err.getvalue())

@@ -1,10 +1,10 @@
 """meshd with a test-only twist, for tests that need a node no real meshd is any more:
 
-    python -m tests.support.meshd_variants legacy-tail <meshd options>   # a tail from before ADR-0022: text, no token id
+    python -m tests.support.meshd_variants legacy-tail <meshd options>   # a tail from before token ids: text only
     python -m tests.support.meshd_variants slow-300 <meshd options>      # every /forward step answers 300 ms later
     python -m tests.support.meshd_variants no-prefix <meshd options>     # a node from before prefix reuse
     python -m tests.support.meshd_variants forgetful <meshd options>     # loses a session every 4th decode step of
-                                                                 # a request whose X-Request-Id starts "forget-"
+                                                                         # a request whose X-Request-Id starts "forget-"
 
 The node is meshd's own (``daemon.cli.load_node``, ``node_app``, ``run``); only a middleware is added.
 """
@@ -18,6 +18,7 @@ import sys
 from aiohttp import web
 
 from daemon import cli
+from tests.support.headers import CACHE, PREFIX, PREFIX_MODE, REQUEST_ID, SESSION
 
 
 @web.middleware
@@ -37,10 +38,8 @@ async def no_prefix(request: web.Request, handler):
     if request.path == "/forward":
         from multidict import CIMultiDict
 
-        from daemon import wire
-
         headers = CIMultiDict((k, v) for k, v in request.headers.items()
-                              if k.lower() not in (wire.PREFIX.lower(), wire.PREFIX_MODE.lower()))
+                              if k.lower() not in (PREFIX.lower(), PREFIX_MODE.lower()))
         request = request.clone(headers=headers)
     return await handler(request)
 
@@ -52,13 +51,11 @@ _decode_steps: dict[str, int] = {}
 async def forgetful(request: web.Request, handler):
     """Drop the session before every 4th decode step of a "forget-" request: the step answers 409, as after an
     eviction, and the head must re-prefill (only those requests: the others on the same mesh run undisturbed)."""
-    from daemon import wire
-    from daemon.logs import REQUEST_ID_HEADER
     from daemon.server.keys import NODE
 
-    session = request.headers.get(wire.SESSION)
-    if (request.path == "/forward" and request.headers.get(wire.CACHE) == "decode" and session
-            and request.headers.get(REQUEST_ID_HEADER, "").startswith("forget-")):
+    session = request.headers.get(SESSION)
+    if (request.path == "/forward" and request.headers.get(CACHE) == "decode" and session
+            and request.headers.get(REQUEST_ID, "").startswith("forget-")):
         _decode_steps[session] = _decode_steps.get(session, 0) + 1
         if _decode_steps[session] % 4 == 0:
             request.app[NODE].service.drop_session(session)
