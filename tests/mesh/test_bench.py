@@ -2,7 +2,7 @@
 
 Speed itself is never asserted here (the machine is shared and noisy): the run
 checks that every row is measured, that the mesh's tokens match ``generate``'s,
-and that the JSON carries what the README's "Speed" section reports.
+and that the JSON carries what BENCHMARKS.md reports.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from tests.support.meshd import Daemon, free_port, http_json
+from tests.support.http_client import http_json
+from tests.support.meshd import Daemon, free_port
 
 pytestmark = pytest.mark.slow  # long end-to-end runs: in .ci/run, not in the fast subset
 
