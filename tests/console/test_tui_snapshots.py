@@ -1,17 +1,15 @@
 """SVG snapshots of every console view.
 
 As in memray's live TUI tests: polling is off, the clock is frozen, and polls arrive as the very
-messages the poller posts, so the real handlers draw every screen. A chat streams over HTTP from
-meshd's real application over a fake head (``tests.support.tui_data.FakeDaemon``), which moves the frozen
-clock before each chunk and waits for the console to take it before the next. Route events show
-the local wall clock, so the time zone is pinned to UTC. Update the baselines with
+messages the poller posts, so the real handlers draw every screen. A chat is answered by a scripted
+head in the console's own loop (``tests.support.console_messages.AnsweringConsole``), which moves the
+frozen clock before each chunk and posts the chunks as the messages the console's HTTP worker posts.
+Route events show the local wall clock, so the time zone is pinned to UTC. Update the baselines with
 ``pytest tests/console/test_tui_snapshots.py --snapshot-update`` and look at the SVGs.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 
 import pytest
@@ -20,9 +18,10 @@ from textual.widgets import Input, Markdown, TextArea
 
 from daemon.api import RouteInfo
 from meshtui.app import MeshApp
-from meshtui.client import UNAUTHORIZED, DaemonClient
+from meshtui.client import UNAUTHORIZED
 from meshtui.config import ConsoleConfig
 from meshtui.messages import NodePolled, RoutePolled
+from tests.support.console_messages import AnsweringConsole
 from tests.support.tui_data import (
     HEAD,
     HEAD_SESSIONS,
@@ -30,12 +29,11 @@ from tests.support.tui_data import (
     REPLICA,
     WORKER,
     WORKER_SESSIONS,
-    FakeDaemon,
     FrozenClock,
+    ScriptedHead,
     StartingMesh,
     failover_route,
     node_status,
-    served_in_thread,
     session_list,
     two_node_route,
 )
@@ -60,38 +58,22 @@ def utc(monkeypatch):
     time.tzset()
 
 
-def console(clock: FrozenClock | None = None, **kwargs) -> MeshApp:
+def console(clock: FrozenClock | None = None, *, head: ScriptedHead | None = None, **kwargs) -> MeshApp:
+    """The console on a frozen clock; with ``head``, one whose chat that head answers."""
     kwargs.setdefault("head_url", HEAD)
-    return MeshApp(ConsoleConfig(), poll=False, clock=clock or FrozenClock(), **kwargs)
+    clock = clock or FrozenClock()
+    if head is not None:
+        return AnsweringConsole(ConsoleConfig(), poll=False, clock=clock, head=head, **kwargs)
+    return MeshApp(ConsoleConfig(), poll=False, clock=clock, **kwargs)
 
 
 def answer_tokens(text: str = ANSWER) -> list[str]:
     return [w if i == 0 else " " + w for i, w in enumerate(text.split(" "))]
 
 
-class Redirected(DaemonClient):
-    """The console's own client, its chat sent to ``url`` (the fake daemon's port) wherever the console
-    sends it: the screens show the head at :7070, which a test cannot count on having free."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__()
-        self.url = url
-
-    def chat_stream(self, url: str, messages: list[dict], **params):
-        return super().chat_stream(self.url, messages, **params)
-
-
-@contextlib.contextmanager
-def answering(app: MeshApp, clock: FrozenClock, text: str, **kwargs):
-    """A head that streams ``text`` word by word to ``app``, one word per chunk the console has taken."""
-
-    async def pace(tokens_sent: int) -> None:
-        while len(app.state.generations[-1].chunk_times) < tokens_sent:
-            await asyncio.sleep(0.002)
-
-    with served_in_thread(FakeDaemon(0, 30, answer=answer_tokens(text), clock=clock, pace=pace, **kwargs)) as head:
-        app.client = Redirected(head.url)
-        yield head
+def scripted(clock: FrozenClock, text: str, **kwargs) -> ScriptedHead:
+    """A head that answers ``text`` word by word, moving ``clock`` before each chunk."""
+    return ScriptedHead(answer_tokens(text), clock=clock, **kwargs)
 
 
 def steady(app: MeshApp) -> None:
@@ -283,10 +265,9 @@ def test_sessions_evict_confirmation(snap_compare):
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
-@pytest.mark.slow  # seconds of streaming: out of the fast subset, kept under 3 minutes
 def test_throughput_with_data(snap_compare):
     clock = FrozenClock()
-    app = console(clock)
+    app = console(clock, head=scripted(clock, ANSWER, stats=FINAL_STATS, steps=UNEVEN_STEPS))
     async def run_before(pilot: Pilot) -> None:
         await ready(pilot)
         for second, (head_tokens, worker_tokens) in enumerate([(0, 0), (40, 40), (52, 52), (61, 61), (70, 70),
@@ -305,14 +286,12 @@ def test_throughput_with_data(snap_compare):
         await pilot.press("escape", "3")  # Esc leaves the prompt, so the next key switches views
         await settle(pilot)
 
-    with answering(app, clock, ANSWER, stats=FINAL_STATS, steps=UNEVEN_STEPS):
-        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
-@pytest.mark.slow  # seconds of streaming: out of the fast subset, kept under 3 minutes
 def test_chat_mid_stream(snap_compare):
     clock = FrozenClock()
-    app = console(clock)
+    app = console(clock, head=scripted(clock, ANSWER, steps=UNEVEN_STEPS, hold_after=len(answer_tokens())))
 
     async def run_before(pilot: Pilot) -> None:
         await ready(pilot)
@@ -323,13 +302,12 @@ def test_chat_mid_stream(snap_compare):
         await settle(pilot, until=lambda: app.main.chat_view.query(Markdown) and
                      app.main.chat_view.query(Markdown).last().source == ANSWER)
 
-    with answering(app, clock, ANSWER, steps=UNEVEN_STEPS, hold_after=len(answer_tokens())):
-        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
 def test_chat_answered(snap_compare):
     clock = FrozenClock()
-    app = console(clock)
+    app = console(clock, head=scripted(clock, "Layers **0-14** run here; **15-29** on the worker.", stats=FINAL_STATS))
 
     async def run_before(pilot: Pilot) -> None:
         await ready(pilot)
@@ -338,15 +316,13 @@ def test_chat_answered(snap_compare):
         await pilot.press("enter")
         await settle(pilot, until=lambda: bool(app.state.generations) and app.state.generations[-1].finished)
 
-    with answering(app, clock, "Layers **0-14** run here; **15-29** on the worker.", stats=FINAL_STATS):
-        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
-@pytest.mark.slow  # seconds of streaming: out of the fast subset, kept under 3 minutes
 def test_chat_follow_up_reuses_the_prefix(snap_compare):
     """The second turn starts with the first and its answer, which the nodes kept: the footer says so."""
     clock = FrozenClock()
-    app = console(clock)
+    app = console(clock, head=scripted(clock, "Layers **0-14** run here; **15-29** on the worker."))
 
     async def run_before(pilot: Pilot) -> None:
         await ready(pilot)
@@ -354,10 +330,9 @@ def test_chat_follow_up_reuses_the_prefix(snap_compare):
         for turn, prompt in enumerate(["Where do the layers run?", "And the KV cache?"], start=1):
             await pilot.press(*prompt, "enter")
             await settle(pilot, until=answered(app, turn))
-            head.head.answer = answer_tokens("Each node keeps the keys and values of its own layers.")
+            app.head.answer = answer_tokens("Each node keeps the keys and values of its own layers.")
 
-    with answering(app, clock, "Layers **0-14** run here; **15-29** on the worker.") as head:
-        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
 def test_chat_sampling_settings(snap_compare):
@@ -404,12 +379,12 @@ def test_chat_system_prompt_dialog(snap_compare):
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
-@pytest.mark.slow  # seconds of streaming: out of the fast subset, kept under 3 minutes
 def test_chat_exported(snap_compare, tmp_path, monkeypatch):
     """A conversation under a system prompt, exported: the notification says where the two files went."""
     monkeypatch.setenv("HOME", str(tmp_path))
     clock = FrozenClock()
-    app = console(clock, export_dir=tmp_path / ".local/share/meshnet/conversations")
+    app = console(clock, head=scripted(clock, "Layers **0-14** run here; **15-29** on the worker.", stats=FINAL_STATS),
+                  export_dir=tmp_path / ".local/share/meshnet/conversations")
 
     async def run_before(pilot: Pilot) -> None:
         await ready(pilot)
@@ -422,8 +397,7 @@ def test_chat_exported(snap_compare, tmp_path, monkeypatch):
         await pilot.press("ctrl+o")
         await settle(pilot, until=lambda: bool(app._notifications))
 
-    with answering(app, clock, "Layers **0-14** run here; **15-29** on the worker.", stats=FINAL_STATS):
-        assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
 def test_add_peer_dialog(snap_compare):

@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -176,8 +175,7 @@ class ScriptedHead:
     """A head whose every generation streams the same scripted answer (``daemon.server.backend.ChatHead``).
 
     ``hold_after``: stop after that many tokens until :attr:`release` is set (it notices a client that left).
-    ``pace(i)``, if given, is awaited once ``i`` tokens went out, before the next chunk; ``clock`` and ``steps``
-    move a frozen clock before each chunk of the stream (the opening one, every token, the closing one), cycling
+    ``clock`` and ``steps`` move a frozen clock before each chunk of the stream (the opening one, every token, the closing one), cycling
     through ``steps``.
 
     Like the real head it keeps a finished answer's conversation on the nodes (a retained prefix): a prompt
@@ -189,14 +187,13 @@ class ScriptedHead:
     max_tokens_cap = 4096
 
     def __init__(self, answer: list[str], *, hold_after: int | None = None, stats: dict | None = None,
-                 clock: FrozenClock | None = None, steps: tuple[float, ...] = (0.1,),
-                 pace: Callable[[int], Awaitable[None]] | None = None) -> None:
+                 clock: FrozenClock | None = None, steps: tuple[float, ...] = (0.1,)) -> None:
         self.answer = list(answer)
         self.hold_after = hold_after
         stats = dict(stats or {})
         self.rate = stats.pop("decode_tokens_per_second", 42.0)
         self.stats = {"prefill_ms": 12.0, "first_token_ms": 15.0} | stats  # set on the stats once all is sent
-        self.clock, self.steps, self.pace = clock, steps, pace
+        self.clock, self.steps = clock, steps
         self.release = asyncio.Event()
         self.client_left = asyncio.Event()  # a held stream noticed the console closing it
         self.requests: list[ChatRequest] = []
@@ -232,11 +229,9 @@ class ScriptedHead:
         self.retained = [*request.messages, {"role": "assistant", "content": "".join(self.answer)}]
 
     async def _next_chunk(self, tokens_sent: int) -> None:
-        """Hold (if asked to here), wait for the console's pace, then move the clock for the next chunk."""
+        """Hold (if asked to here), then move the clock for the next chunk."""
         if tokens_sent == self.hold_after:
             await self.release.wait()
-        if self.pace is not None:
-            await self.pace(tokens_sent)
         self._tick(tokens_sent + 1)
 
     def _tick(self, chunk: int) -> None:
@@ -316,8 +311,8 @@ class FakeDaemon:
 
     def __init__(self, start: int, end: int, *, peers: list[str] = (), sessions=(),
                  answer: list[str] = ("Hello", " from", " the", " **mesh**."), hold_after: int | None = None,
-                 token: str | None = None, stats: dict | None = None, **pacing) -> None:
-        self.head = ScriptedHead(list(answer), hold_after=hold_after, stats=stats, **pacing)
+                 token: str | None = None, stats: dict | None = None) -> None:
+        self.head = ScriptedHead(list(answer), hold_after=hold_after, stats=stats)
         self.node = FakeNode(start, end, peers=peers, sessions=sessions, head=self.head)
         self.token = token
         self.authorizations: list[tuple[str, str | None]] = []  # (path, Authorization header) of each request
@@ -374,18 +369,3 @@ class FakeDaemon:
             self.chat_requests.append(json.loads(await request.read()))
         return await handler(request)
 
-
-@contextlib.contextmanager
-def served_in_thread(daemon: FakeDaemon):
-    """Serve ``daemon`` from an event loop of its own on another thread (for tests whose app runs the main loop)."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="fake daemon", daemon=True)
-    thread.start()
-    try:
-        asyncio.run_coroutine_threadsafe(daemon.start(), loop).result(10)
-        yield daemon
-    finally:
-        asyncio.run_coroutine_threadsafe(daemon.stop(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
