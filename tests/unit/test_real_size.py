@@ -1,0 +1,62 @@
+"""The real-size bench's models and its floor: what a decode step reads, and how fast this machine reads."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from daemon.bench.real_size import MARKER, SHAPES, Shape, build, read_bandwidth
+
+VOCAB = 49152
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_shapes_are_the_real_models_sizes(name):
+    """The configs build (no weights) into the layer sizes the bench reports."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(SHAPES[name].config)
+    config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=VOCAB, **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    layer_bytes = sum(p.numel() * 2 for p in model.model.layers.parameters())
+    if name == "llama-8b":  # 218M values a layer: attention 4096 x (4096 + 1024 + 1024 + 4096), MLP 3 x 4096 x 14336
+        assert layer_bytes == 4 * 2 * (4096 * 10240 + 3 * 4096 * 14336 + 2 * 4096)
+    else:  # 256 experts of 3 x 2048 x 512 values in each of the two layers
+        experts = sum(p.numel() * 2 for n, p in model.model.layers.named_parameters() if ".experts." in n)
+        assert experts == 2 * 256 * 3 * 2048 * 512 * 2
+        assert config.layer_types == ["linear_attention", "full_attention"]
+
+
+def test_a_model_is_written_once_with_what_a_decode_step_reads(tmp_path, default_model):
+    """A small MoE of the same kind: every weight counts, but only the routed share of the experts and one
+    row of the embedding are read in a step; the folder is complete (tokenizer, marker) and reused."""
+    shape = Shape("small-moe", "a small MoE", {
+        "model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32})
+    folder = tmp_path / "small-moe"
+    record = build(shape, folder, default_model)
+    assert json.loads((folder / MARKER).read_text()) == record
+    assert (folder / "tokenizer.json").exists() and (folder / "config.json").exists()
+
+    from safetensors import safe_open
+
+    sizes = {}
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        for key in f.keys():
+            sizes[key] = f.get_slice(key).get_shape()
+    values = {key: math.prod(shape) for key, shape in sizes.items()}
+    experts = sum(v for k, v in values.items() if ".experts." in k)
+    embedding = values["model.embed_tokens.weight"]
+    assert record["weights_bytes"] == 2 * sum(values.values())  # bfloat16
+    assert record["active_bytes"] == 2 * (sum(values.values()) - experts - embedding) + 2 * experts // 4 + 2 * 64
+    assert build(shape, folder, default_model) == record  # reused, not written again
+
+
+def test_read_bandwidth_is_bytes_over_the_fastest_pass():
+    rate = read_bandwidth(1, size_bytes=64 << 20, rounds=2)
+    assert 1e8 < rate < 1e13  # between 0.1 GB/s and 10 TB/s: a rate, not a time
