@@ -11,22 +11,29 @@ from daemon.bench.progress import Progress
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 
 
+def prompt_ids(folder: Path) -> list[int]:
+    """:data:`PROMPT` as the model's chat template renders it, ready for the assistant's answer: the token ids
+    every setup starts from (llama.cpp gets these ids too, not text of its own tokenizing)."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(folder).apply_chat_template(PROMPT, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 class Reference:
     """The whole model in this process, generating with ``model.generate``: the limit of the mesh."""
 
     def __init__(self, folder: Path, dtype: str = "float32", quantize: str | None = None, *,
                  device: str = "cpu") -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
         if quantize:  # as every node quantizes its own layers
             from daemon.model.quantize import quantize_layers
 
             quantize_layers(list(self.model.model.layers), quantize)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt")
-        self.ids = (ids["input_ids"] if hasattr(ids, "keys") else ids).to(device)
+        self.ids = torch.tensor([prompt_ids(folder)], device=device)
         self._generate(4, None)  # warm-up
 
     def _generate(self, tokens: int, progress: Progress | None) -> tuple[list[int], list[float]]:

@@ -13,6 +13,10 @@ WINDOW = 10  # steps in the first-N and last-N throughput windows
 
 # The targets of the performance work, checked against every run (see BENCHMARKS.md).
 TARGET_RATIO = 0.9  # two-node cached decode vs generate
+TARGET_VS_LLAMA = {"float32": 0.9, "int8": 0.9}  # one node vs llama.cpp at the same precision (F32, Q8_0)
+TARGET_TWO_VS_ONE = 0.8  # two-node cached decode vs one node with every layer
+TARGET_OF_FLOOR = {"llama-8b": 0.7, "qwen3.5-moe": 0.6}  # real-size decode step: the floor's time over the step's
+TARGET_PEAK_OVER_WEIGHTS = 1.15  # a real-size node's peak resident set over its weights' bytes
 TARGET_DECAY = 0.9  # last-10 over first-10 tokens/s, over 512 tokens
 TARGET_VS_STATELESS = 4.0  # cached over stateless decode at 512 tokens
 TARGET_OVERHEAD_MS = 3.0  # per hop per decode step, on loopback
@@ -55,7 +59,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2}  # on the w
 
 
 def check_targets(rows: list[dict], hidden_size: int, *, multiturn: Sequence[dict] = (),
-                  shared_prefix: Sequence[dict] = (), sessions: Sequence[dict] = ()) -> list[dict]:
+                  shared_prefix: Sequence[dict] = (), sessions: Sequence[dict] = (),
+                  shapes: Sequence[dict] = ()) -> list[dict]:
     """Each target in BENCHMARKS.md against this run's rows (where the run measured it),
     per precision: a bfloat16 mesh is held to generate in bfloat16, its hops to bfloat16's bytes.
     ``multiturn`` and ``shared_prefix``: the prompt-reuse rows (``daemon.bench.reuse``)."""
@@ -76,6 +81,14 @@ def check_targets(rows: list[dict], hidden_size: int, *, multiturn: Sequence[dic
             cached = by.get(("mesh, 2 nodes, cached", n))
             if cached is not None:
                 check(f"2-node cached vs generate, {n} tokens", cached.get("ratio"), TARGET_RATIO,
+                      at_least=True)
+            one = by.get(("mesh, 1 node", n))
+            if one is not None and one.get("vs_llama") is not None and precision in TARGET_VS_LLAMA:
+                check(f"1 node vs {one['llama']}, {n} tokens", one["vs_llama"], TARGET_VS_LLAMA[precision],
+                      at_least=True)
+            if one is not None and cached is not None and one.get("ratio") and cached.get("ratio"):
+                # each against generate run just before it: the two ratios' quotient cancels the host's drift
+                check(f"2-node cached vs 1 node, {n} tokens", cached["ratio"] / one["ratio"], TARGET_TWO_VS_ONE,
                       at_least=True)
         if long is not None and (cached := by.get(("mesh, 2 nodes, cached", long))):
             check(f"2-node cached last-{WINDOW} / first-{WINDOW} tokens/s, {long} tokens",
@@ -107,6 +120,13 @@ def check_targets(rows: list[dict], hidden_size: int, *, multiturn: Sequence[dic
             if count in TARGET_SESSIONS_P95 and p95 is not None:
                 check(f"{count} sessions: p95 inter-token latency over one session's", p95,
                       TARGET_SESSIONS_P95[count], at_least=False)
+    precision = "bfloat16"
+    for shape in shapes:  # real sizes: one node in bfloat16 against the read-bandwidth floor
+        if shape["shape"] in TARGET_OF_FLOOR:
+            check(f"{shape['shape']}: decode step at the read-bandwidth floor's time / the step's", shape["of_floor"],
+                  TARGET_OF_FLOOR[shape["shape"]], at_least=True)
+        check(f"{shape['shape']}: node peak resident set / its weights", shape["peak_over_weights"],
+              TARGET_PEAK_OVER_WEIGHTS, at_least=False)
     for group in shared_prefix:
         if group["reuse"]:
             precision = group["precision"]
@@ -120,7 +140,7 @@ def _fmt(value, spec: str, width: int) -> str:
 
 
 def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floor: dict, *,
-                multiturn: Sequence[dict] = (), shared_prefix: Sequence[dict] = ()) -> None:
+                multiturn: Sequence[dict] = (), shared_prefix: Sequence[dict] = (), shapes: Sequence[dict] = ()) -> None:
     """The run's rows, concurrent sessions, prompt reuse, loopback floor and targets, as tables on stdout."""
     header = (f"{'setup':<34} {'dtype':>8} {'tokens':>6} {'prefill ms':>10} {'tok/s':>7} {'first10':>7} "
               f"{'last10':>7} {'decay':>5} {'B/hop/step':>10} {'ovh ms/hop':>10} {'vs gen':>7} {'same':>4} "
@@ -137,6 +157,10 @@ def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floo
               f"{_fmt(r.get('wire_bytes_per_hop_step'), '.0f', 10)} "
               f"{_fmt(r.get('overhead_ms_per_hop_step'), '.2f', 10)} {_fmt(r['ratio'], '.2f', 6)}x {same:>4} "
               f"{peaks or '-':>15} {_fmt(r.get('load'), '.2f', 5)}")
+    for r in rows:
+        if r.get("vs_llama") is not None:
+            print(f"{r['setup']}, {r.get('precision')}, {r['new_tokens']} tokens: {r['vs_llama']:.2f}x "
+                  f"{r['llama']} (median of the pairs {' '.join(f'{x:.2f}' for x in r['paired_llama_ratios'])})")
     if sessions:
         print()
         print("concurrent sessions, 2 nodes, cached: aggregate tok/s and inter-token latency (ITL) against one "
@@ -157,6 +181,7 @@ def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floo
                   f"{'yes' if same else 'NO':>4} {s['load']:>5.2f}  "
                   f"{' '.join(f'{r:.2f}' for r in s.get('paired_tps_ratios', ()))}")
     _print_reuse(multiturn, shared_prefix)
+    _print_shapes(shapes)
     print()
     print(f"loopback floor: a bare hop on the same HTTP stack with one hand-off to a worker thread costs "
           f"{floor['median_ms']:.2f} ms (median; min {floor['min_ms']:.2f}) around a {floor['pause_ms']:.0f} ms "
@@ -191,3 +216,18 @@ def _print_reuse(multiturn: Sequence[dict], shared_prefix: Sequence[dict]) -> No
             print(f"{g['precision']:>8} {'on' if g['reuse'] else 'off':>5} {g['clients']:>7} {g['prompt_tokens']:>6} "
                   f"{g['computed_tokens']:>8} {g['ideal_tokens']:>7} {_fmt(g['computed_ratio'], '.2f', 5)} "
                   f"{g['wall_s']:>6.1f} {g['mean_ttft_ms']:>12.1f} {same[g['tokens_match']]:>4} {g['load']:>5.2f}")
+
+
+def _print_shapes(shapes: Sequence[dict]) -> None:
+    if not shapes:
+        return
+    print()
+    print(f"real layer sizes, random weights, one meshd in bfloat16: its decode step against the read-bandwidth "
+          f"floor (the active weights' bytes at {shapes[0]['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s)")
+    print(f"{'shape':<12} {'weights MiB':>11} {'active MiB':>10} {'floor ms':>8} {'step ms':>7} {'best ms':>7} "
+          f"{'of floor':>8} {'peak MiB':>8} {'peak/weights':>12} {'load':>5}  what")
+    for s in shapes:
+        print(f"{s['shape']:<12} {s['weights_bytes'] / 2**20:>11.0f} {s['active_bytes'] / 2**20:>10.0f} "
+              f"{s['floor_ms']:>8.1f} {s['step_ms_median']:>7.1f} {s['step_ms_best']:>7.1f} {s['of_floor']:>8.2f} "
+              f"{_fmt(s['peak_rss_bytes'] and s['peak_rss_bytes'] / 2**20, '.0f', 8)} "
+              f"{_fmt(s['peak_over_weights'], '.2f', 12)} {s['load']:>5.2f}  {s['about']}")

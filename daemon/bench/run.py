@@ -1,21 +1,22 @@
 """``meshd bench``: the mesh measured side by side with one process running the same model.
 
-Every row runs in this one invocation on this one machine, so the ratios are
-comparable even on a shared, noisy host. For each precision (compute dtype) and
-each number of new tokens it measures single-process ``transformers`` ``generate``
-in that dtype (the limit), a two-node mesh with the KV cache, the same mesh
-stateless (``--no-kv-cache``) and a three-node mesh, then many sessions at once
-on the two-node mesh. Each mesh run follows a run of ``generate`` straight before
-it, and a mesh row's ratio is the median of those pairs' ratios; likewise each
-run of many sessions follows a run of one session, its ratios the median of those
-pairs'. Each mesh row
-also has its nodes' peak resident memory next to the weights they hold, and every
-row the host's load average when it ended. Then prompt reuse on two-node meshes of
-their own: a six-turn chat with a long system prompt, each turn's time to first
-token with the chat's prefix reused next to the same request computed whole; and
-concurrent clients with one system prompt, the prompt tokens the mesh computed
-for them against the system prompt's plus each client's own. It prints tables
-and writes the same numbers, with the targets they are held to, as JSON.
+Every row runs in this one invocation on this one machine, so the ratios are comparable even on a
+shared, noisy host. For each precision (compute dtype) and each number of new tokens it measures
+single-process ``transformers`` ``generate`` in that dtype (the limit), one node with every layer,
+llama.cpp on the same weights at the same precision (with the ``bench`` extra;
+:mod:`daemon.bench.llama_cpp`), a two-node mesh with the KV cache, the same mesh stateless
+(``--no-kv-cache``) and a three-node mesh, then many sessions at once on the two-node mesh. Each mesh
+run follows a run of ``generate`` straight before it (the one-node run, a run of llama.cpp too), and a
+mesh row's ratio is the median of those pairs' ratios; likewise each run of many sessions follows a
+run of one session, its ratios the median of those pairs'. Each mesh row also has its nodes' peak
+resident memory next to the weights they hold, and every row the host's load average when it ended.
+Then prompt reuse on two-node meshes of their own: a six-turn chat with a long system prompt, each
+turn's time to first token with the chat's prefix reused next to the same request computed whole; and
+concurrent clients with one system prompt, the prompt tokens the mesh computed for them against the
+system prompt's plus each client's own. Asked for, real layer sizes: random-weight models of real
+shapes, each node's decode step against this machine's read-bandwidth floor
+(:mod:`daemon.bench.real_size`). It prints tables and writes the same numbers, with the targets they
+are held to, as JSON.
 """
 
 from __future__ import annotations
@@ -26,15 +27,17 @@ import os
 import statistics
 from pathlib import Path
 
+import daemon.bench.llama_cpp as llama_cpp
+import daemon.bench.real_size as real_size
 from daemon.bench.floor import loopback_floor
 from daemon.bench.mesh import Mesh, paired_sessions
 from daemon.bench.progress import say
-from daemon.bench.reference import Reference
+from daemon.bench.reference import Reference, prompt_ids
 from daemon.bench.report import check_targets, machine, print_table, window_tps
 from daemon.bench.reuse import REUSE_BY_USER, USER_TURNS, client_messages, clients_at_once, multiturn_chat
 from daemon.host import host_cores
 
-SETUPS = ("generate", "cached", "stateless", "three", "multiturn", "shared-prefix")
+SETUPS = ("generate", "one", "llama.cpp", "cached", "stateless", "three", "multiturn", "shared-prefix", "real-size")
 PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8")
 # a precision's compute dtype and quantization: int8 weights run in bfloat16 (daemon.model.quantize)
 QUANTIZED = {"int8": ("bfloat16", "int8")}
@@ -59,10 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="model (default: the built-in one)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512],
                         help="new tokens per run (default 128 512)")
-    parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS),
-                        help="what to measure (default all): generate, cached (2 nodes), stateless (2 nodes), "
-                        "three (3 nodes, cached), multiturn (a chat's turns with and without its prefix reused), "
-                        "shared-prefix (clients at once with one system prompt, with and without reuse)")
+    parser.add_argument("--setups", nargs="+", choices=SETUPS,
+                        help="what to measure (default all but real-size): generate, one (1 node with every layer), llama.cpp "
+                        "(on the same weights at the same precision, with the bench extra), cached (2 nodes), "
+                        "stateless (2 nodes), three (3 nodes, cached), multiturn (a chat's turns with and without "
+                        "its prefix reused), shared-prefix (clients at once with one system prompt, with and "
+                        "without reuse), real-size (random-weight layers of real models' sizes, each node's "
+                        "decode step against the read-bandwidth floor)")
+    parser.add_argument("--shapes", nargs="+", choices=list(real_size.SHAPES), default=list(real_size.SHAPES),
+                        help="the real-size models (default all; written once into the meshnet cache, "
+                        "2.6 and 3.8 GB)")
+    parser.add_argument("--shape-tokens", type=int, default=32, help="new tokens per real-size run (default 32)")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["auto"],
                         help="compute dtypes to measure, each against generate in the same dtype (default auto: "
                         "what meshd runs in on this machine); int8: int8 weights in bfloat16, against generate "
@@ -88,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                         "many-session run with a one-session run (the slow stateless rows run once; default 1)")
     parser.add_argument("--json", default="bench-results/bench.json", help="where to write the results")
     args = parser.parse_args(argv)
+    chosen = args.setups is not None
+    args.setups = args.setups or [s for s in SETUPS if s != "real-size"]
     if min(args.tokens) < 2:
         parser.error("--tokens must be at least 2 (one prefill, one decode step)")
     if args.repeat < 1:
@@ -97,15 +109,28 @@ def main(argv: list[str] | None = None) -> int:
 
     from daemon.model.checkpoint import read_model_info
     from daemon.model.device import checkpoint_dtype, dtype_name, resolve_device, resolve_dtype
-    from daemon.model.source import resolve_model
+    from daemon.model.source import resolve_model, source_gguf
 
+    if "llama.cpp" in args.setups and not llama_cpp.installed():
+        if chosen:
+            parser.error(llama_cpp.INSTALL_HINT)
+        say(f"{llama_cpp.INSTALL_HINT}; measuring without it")
+        args.setups.remove("llama.cpp")
     folder = resolve_model(args.model, progress=say)
+    args.gguf = source_gguf(args.model)
+    if "llama.cpp" in args.setups and args.gguf is None:
+        message = f"llama.cpp needs the model as a .gguf file (the built-in model, or --model FILE.gguf), not {args.model}"
+        if chosen:
+            parser.error(message)
+        say(f"{message}; measuring without it")
+        args.setups.remove("llama.cpp")
     info = read_model_info(folder)
     n = info.num_layers
     half = n // 2
     cores = host_cores()
     host = machine()
     meshes = {
+        "one": ("mesh, 1 node", [(f"0-{n - 1}", [])]),
         "cached": ("mesh, 2 nodes, cached", [(f"0-{half - 1}", []), (f"{half}-{n - 1}", [])]),
         "stateless": ("mesh, 2 nodes, stateless",
                       [(f"0-{half - 1}", ["--no-kv-cache"]), (f"{half}-{n - 1}", ["--no-kv-cache"])]),
@@ -124,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     for precision in precisions:
         _measure_precision(args, folder, precision, meshes, rows, sessions)
         _measure_reuse(args, folder, precision, meshes["cached"][1], multiturn, shared_prefix)
+    shapes = _measure_real_size(args, cores) if "real-size" in args.setups else []
     order = [name for name, _ in meshes.values()]
     rows.sort(key=lambda r: (precisions.index(r["precision"]), r["new_tokens"],
                              order.index(r["setup"]) if r["setup"] in order else -1, r["setup"]))
@@ -134,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"loopback floor: a bare hop around a {pause:.0f} ms pause")
     floor = loopback_floor(pause)
     checks = check_targets(rows, info.hidden_size, multiturn=multiturn, shared_prefix=shared_prefix,
-                           sessions=sessions)
-    print_table(rows, sessions, checks, floor, multiturn=multiturn, shared_prefix=shared_prefix)
+                           sessions=sessions, shapes=shapes)
+    print_table(rows, sessions, checks, floor, multiturn=multiturn, shared_prefix=shared_prefix, shapes=shapes)
     host["load_average_at_end"] = os.getloadavg()
     out = {
         "machine": host,
@@ -143,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads_per_daemon": args.threads or "adaptive (meshd default)",
         "rows": rows, "sessions": sessions, "targets": checks, "loopback_floor": floor,
         "turn_tokens": args.turn_tokens, "multiturn": multiturn, "shared_prefix": shared_prefix,
+        "real_size": shapes,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))
@@ -160,6 +187,33 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
     if "generate" in args.setups:
         say(f"loading the model for single-process generate in {precision}")
         ref_model = Reference(folder, *QUANTIZED.get(precision, (precision, None)), device=args.device)
+    # llama.cpp on the same weights at the same precision, and (next to int8) on the file as it came
+    kind = llama_cpp.SAME_PRECISION.get(precision) if "llama.cpp" in args.setups else None
+    llama_files = {}
+    if kind:
+        from daemon.model.source import cache_dir
+
+        say(f"writing {args.gguf.name} as {kind} for llama.cpp (once; kept in the meshnet cache)")
+        llama_files[kind] = llama_cpp.gguf_file(args.gguf, kind, cache_dir() / "bench")
+        if precision == "int8":
+            llama_files["source"] = args.gguf
+    llama_threads: dict[int, int] = {}  # new tokens -> the thread count of the fastest same-precision run
+    ids = prompt_ids(folder) if llama_files else []
+
+    def run_llama(file_kind: str, tokens: int, threads: int) -> dict:
+        say(f"llama.cpp on {llama_files[file_kind].name}, {threads} thread(s), {tokens} tokens")
+        return llama_cpp.measure(llama_files[file_kind], ids, tokens, threads)
+
+    def measure_llama(tokens: int) -> None:
+        if not llama_files or tokens in llama_threads:
+            return
+        for file_kind in llama_files:
+            runs = {threads: fastest(args.repeat, run_llama, file_kind, tokens, threads) for threads in ref_threads}
+            if file_kind == kind:
+                llama_threads[tokens] = max(runs, key=lambda threads: runs[threads]["decode_tps"] or 0.0)
+            label = f"{llama_files[file_kind].stem.rsplit('.', 1)[-1]} as shipped" if file_kind == "source" else kind
+            for threads, result in runs.items():
+                add(f"llama.cpp {label}, {threads} thread{'s' if threads > 1 else ''}", tokens, result)
 
     def add(setup: str, tokens: int, result: dict) -> None:
         ref = reference.get(tokens)
@@ -182,24 +236,31 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
         for threads, result in runs.items():
             add(f"generate, 1 process, {threads} thread{'s' if threads > 1 else ''}", tokens, result)
 
-    def measure_mesh(mesh: Mesh, tokens: int, times: int) -> dict:
-        """``times`` runs of ``mesh``, each right after a run of the reference (its fastest thread count).
+    def measure_mesh(mesh: Mesh, tokens: int, times: int, *, against_llama: bool = False) -> dict:
+        """``times`` runs of ``mesh``, each right after a run of the reference (its fastest thread count) and,
+        ``against_llama``, of llama.cpp at the same precision (its fastest thread count).
 
-        The mesh's ratio is the median of the pairs' ratios: each pair ran under the same load of a shared
+        The mesh's ratios are the medians of the pairs' ratios: each pair ran under the same load of a shared
         host, where the fastest of several reference runs against the fastest of fewer mesh runs would
         favour the reference."""
-        results, ratios = [], []
+        llama = against_llama and tokens in llama_threads
+        results, ratios, llama_ratios = [], [], []
         for _ in range(times):
             ref = ref_model.run(tokens, best_threads[tokens]) if ref_model is not None else None
+            other = run_llama(kind, tokens, llama_threads[tokens]) if llama else None
             result = mesh.measure(tokens)
             results.append(result)
             if ref is not None and ref["decode_tps"] and result["decode_tps"]:
                 ratios.append(result["decode_tps"] / ref["decode_tps"])
+            if other is not None and other["decode_tps"] and result["decode_tps"]:
+                llama_ratios.append(result["decode_tps"] / other["decode_tps"])
         best = max(results, key=lambda r: r["decode_tps"] or 0.0)
+        vs_llama = {"vs_llama": statistics.median(llama_ratios), "paired_llama_ratios": llama_ratios,
+                    "llama": f"llama.cpp {kind}, {llama_threads[tokens]} thread(s)"} if llama_ratios else {}
         return best | {"runs": times, "decode_tps_runs": [r["decode_tps"] for r in results],
-                       "paired_ratios": ratios}
+                       "paired_ratios": ratios} | vs_llama
 
-    for key in ("cached", "stateless", "three"):
+    for key in ("one", "cached", "stateless", "three"):
         if key not in args.setups:
             continue
         name, specs = meshes[key]
@@ -211,8 +272,10 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
             mesh.generate(4)  # warm-up: connections, route measurements, lazy loads
             for tokens in args.tokens:
                 measure_reference(tokens)  # right before the mesh it is compared with, so both see the same load
-                add(name, tokens, measure_mesh(mesh, tokens, 1 if key == "stateless" else args.repeat)
-                    | {"nodes": mesh.memory()})
+                if key == "one":
+                    measure_llama(tokens)
+                add(name, tokens, measure_mesh(mesh, tokens, 1 if key == "stateless" else args.repeat,
+                                               against_llama=key == "one") | {"nodes": mesh.memory()})
             counts = sorted({1, *args.sessions} - {0}) if any(args.sessions) else []
             if key == "cached" and counts:
                 sessions.extend(group | {"precision": precision}
@@ -221,6 +284,25 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
             mesh.stop()
     for tokens in args.tokens:
         measure_reference(tokens)
+        measure_llama(tokens)
+
+
+def _measure_real_size(args, cores: int) -> list[dict]:
+    """Each real-size model (written once) on one ``meshd`` in bfloat16, against this machine's read-bandwidth
+    floor (:mod:`daemon.bench.real_size`)."""
+    from daemon.model.source import cache_dir, fetch_default_model
+
+    tokenizer_from = fetch_default_model(progress=say)  # every shape speaks the built-in model's vocabulary
+    say(f"measuring this machine's read bandwidth on {cores} thread(s)")
+    bandwidth = real_size.read_bandwidth(cores)
+    say(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    rows = []
+    for name in args.shapes:
+        shape = real_size.SHAPES[name]
+        folder = cache_dir() / "bench" / "shapes" / name
+        record = real_size.build(shape, folder, tokenizer_from)
+        rows.append(real_size.measure(shape, record, folder, bandwidth, args.shape_tokens, args.threads))
+    return rows
 
 
 def _node_args(args, precision: str) -> list[str]:

@@ -72,6 +72,11 @@ def default_gguf_path() -> Path:
     return cache_dir() / "downloads" / Path(DEFAULT_GGUF_MEMBER).name
 
 
+def is_default(spec: str | None) -> bool:
+    """Whether ``--model spec`` means the built-in default model."""
+    return spec is None or not spec.strip() or spec.strip().lower() == DEFAULT_MODEL.lower()
+
+
 def resolve_model(spec: str | None, *, progress: Progress = print) -> Path:
     """Return a local Hugging Face model folder for ``--model spec``, fetching or converting once.
 
@@ -79,7 +84,7 @@ def resolve_model(spec: str | None, *, progress: Progress = print) -> Path:
     default; a folder is validated and returned as it is; a ``.gguf`` file is
     converted whole (every layer) into the cache. Anything else raises :class:`ModelUnavailable`.
     """
-    if spec is None or not spec.strip() or spec.strip().lower() == DEFAULT_MODEL.lower():
+    if is_default(spec):
         return fetch_default_model(progress=progress)
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -160,6 +165,15 @@ def gguf_model_file(spec: str | None) -> Path | None:
         return None
     path = Path(spec).expanduser()
     return path.resolve() if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
+def source_gguf(spec: str | None) -> Path | None:
+    """The ``.gguf`` file ``--model spec`` comes from: the file it names, or the built-in model's own (once
+    fetched); None for a folder."""
+    if is_default(spec):
+        path = default_gguf_path()
+        return path if path.is_file() else None
+    return gguf_model_file(spec)
 
 
 def gguf_range_folder(gguf_path: Path, start: int, end: int, *, dtype: str = "float32",

@@ -40,7 +40,10 @@ def test_a_quick_run_measures_every_setup_and_writes_json(tiny_model, tmp_path):
     assert "6/6 tokens" in proc.stderr  # progress while it runs
     result = json.loads(out.read_text())
     setups = {r["setup"] for r in result["rows"]}
-    assert {"mesh, 2 nodes, cached", "mesh, 2 nodes, stateless", "mesh, 3 nodes, cached"} <= setups
+    assert {"mesh, 1 node", "mesh, 2 nodes, cached", "mesh, 2 nodes, stateless", "mesh, 3 nodes, cached"} <= setups
+    # every setup by default; llama.cpp needs the bench extra and a .gguf model, and says so in one line
+    assert "llama.cpp" in proc.stderr and "measuring without it" in proc.stderr
+    assert "2-node cached vs 1 node, 6 tokens" in {t["target"] for t in result["targets"]}
     assert any(s.startswith("generate, 1 process") for s in setups)
     hidden = result["model"]["hidden_size"]
     for row in result["rows"]:
@@ -49,8 +52,12 @@ def test_a_quick_run_measures_every_setup_and_writes_json(tiny_model, tmp_path):
         assert row["ratio"] > 0
         if row["setup"].startswith("mesh"):
             assert row["tokens_match"] is True, row["setup"]  # greedy: the mesh generates what generate does
+            assert row["setup"] in proc.stdout
             # each mesh run right after a generate run: the ratio is the pairs' median
             assert len(row["paired_ratios"]) == row["runs"] == 1 and row["ratio"] == row["paired_ratios"][0]
+            if row["setup"] == "mesh, 1 node":  # no hop: nothing crosses the network
+                assert row["overhead_ms_per_hop_step"] is None and row["payload_bytes_per_hop_step"] is None
+                continue
             assert row["overhead_ms_per_hop_step"] >= 0
             # a cached decode hop carries one token's activation; a stateless one the whole sequence
             per_token = hidden * 4
@@ -59,7 +66,6 @@ def test_a_quick_run_measures_every_setup_and_writes_json(tiny_model, tmp_path):
             else:
                 assert row["payload_bytes_per_hop_step"] > per_token
             assert row["wire_bytes_per_hop_step"] > row["payload_bytes_per_hop_step"]  # HTTP framing counted
-            assert row["setup"] in proc.stdout
     assert [s["sessions"] for s in result["sessions"]] == [1, 2]
     two = result["sessions"][1]  # after a one-session run of its own: its ratios are that pair's
     assert two["runs"] == 1 and two["tps_ratio"] == two["paired_tps_ratios"][0] > 0 and two["tokens_match_one"]
@@ -145,6 +151,17 @@ def test_a_short_run_measures_prompt_reuse_warm_against_cold(tiny_model, tmp_pat
     assert "multi-turn chat, 2 nodes" in proc.stdout and "clients at once with one system prompt" in proc.stdout
 
 
+def test_llama_cpp_asked_for_and_not_possible_is_refused_in_one_line(tiny_model, capsys):
+    from daemon.bench import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(["--model", str(tiny_model("llama")), "--setups", "one", "llama.cpp"])
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    # without the bench extra, how to install it; with it, that llama.cpp needs the model as a .gguf file
+    assert 'pip install "meshnet[bench]"' in error or "needs the model as a .gguf file" in error, error
+
+
 def test_windows_and_rows_from_generation_stats():
     assert window_tps([100.0] * 10 + [200.0] * 10, last=False) == 10.0
     assert window_tps([100.0] * 10 + [200.0] * 10, last=True) == 5.0
@@ -178,6 +195,25 @@ def test_targets_are_checked_against_the_rows():
         "2-node cached vs stateless, 512 tokens": True,
         "mesh, 2 nodes, cached: overhead per hop per decode step (ms)": True,
         "mesh, 2 nodes, cached: bytes sent per hop per decode step": True,
+    }
+
+
+def test_one_node_is_held_to_llama_cpp_at_its_precision_and_two_nodes_to_one():
+    def rows(precision: str, vs_llama: float, one: float, two: float) -> list[dict]:
+        return [{"setup": "mesh, 1 node", "precision": precision, "new_tokens": 128, "ratio": one,
+                 "vs_llama": vs_llama, "llama": "llama.cpp Q8_0, 2 threads"},
+                {"setup": "mesh, 2 nodes, cached", "precision": precision, "new_tokens": 128, "ratio": two}]
+
+    checks = check_targets(rows("float32", 0.92, 1.0, 0.79) + rows("int8", 0.5, 1.25, 1.0)
+                           + rows("bfloat16", 0.1, 1.0, 1.0), hidden_size=576)
+    met = {(c["precision"], c["target"]): (round(c["value"], 3), c["limit"], c["met"]) for c in checks
+           if "1 node" in c["target"]}
+    assert met == {
+        ("float32", "1 node vs llama.cpp Q8_0, 2 threads, 128 tokens"): (0.92, 0.9, True),
+        ("float32", "2-node cached vs 1 node, 128 tokens"): (0.79, 0.8, False),
+        ("int8", "1 node vs llama.cpp Q8_0, 2 threads, 128 tokens"): (0.5, 0.9, False),
+        ("int8", "2-node cached vs 1 node, 128 tokens"): (0.8, 0.8, True),  # 1.0 / 1.25: each against generate
+        ("bfloat16", "2-node cached vs 1 node, 128 tokens"): (1.0, 0.8, True),  # no llama.cpp target in bfloat16
     }
 
 
