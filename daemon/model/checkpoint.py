@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from daemon.errors import ModelUnavailable
+from daemon.host import return_freed_memory
 from daemon.wire import MAX_SEQUENCE
 
 if TYPE_CHECKING:
@@ -244,12 +245,18 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
             problems = info.conversion_errors or info.error_msgs
             raise ModelUnavailable(f"could not load weights from {folder}: {problems}")
         del handles, state_dict
-        if quantize and group.isdigit():
-            layer = model.model.layers[int(group)]
+        layer = model.model.layers[int(group)] if group.isdigit() else None
+        if layer is not None and quantize:
             quantize_layers([layer], quantize)
-            for parameter in layer.parameters():  # what was not quantized lets go of the file's mapping
+        # A layer whose checkpoint tensors were fused (MoE experts, qkv) or quantized holds new memory: its other
+        # weights are copied too, so nothing keeps this group's file mapped, and the pages the new tensors were
+        # read from leave the resident set (else they stay counted beside them until the node exits).
+        if layer is not None and (quantize or sum(len(keys) for keys in keys_by_file.values())
+                                  > sum(1 for _ in layer.parameters())):
+            for parameter in layer.parameters():
                 if type(parameter.data) is torch.Tensor:
                     parameter.data = parameter.data.clone()
+            return_freed_memory()  # what fusing and casting left in the C heap
     if "lm_head" in parts and model.lm_head.weight.device.type == "meta":
         # no LM head in the checkpoint: it is tied to the embeddings, even where a multimodal checkpoint's
         # text config does not say so (Gemma 4 ties in its top-level config only)

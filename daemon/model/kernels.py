@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from daemon.host import cpu_name
+from daemon.host import LIBC, cpu_name, return_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def plan_linears(modules: Iterable[nn.Module], *, max_rows: int, store: PlanStor
     for shape, group in groups.items():
         for module in group:
             apply_plan(module, plans[shape], mappings)
-    _return_freed_memory()
+    return_freed_memory()
     if progress is not None and plans:
         progress(describe(plans))
     return plans
@@ -162,29 +162,9 @@ def apply_plan(module: nn.Linear, plan: Plan, mappings: list[tuple[int, int]] = 
                     _release_file_pages(old[first:first + block], mappings)
             weight.data = new
         del old
-        _return_freed_memory()  # the former weight, where it came from the heap (a cast checkpoint's copy)
+        return_freed_memory()  # the former weight, where it came from the heap (a cast checkpoint's copy)
     module.__class__ = PlannedLinear
     module.plan = plan
-
-
-def _return_freed_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``). A freed weight of a few MiB
-    stays in glibc's heap, where a new one of the same size does not fit (it asks for alignment on top), so
-    without this a node laying out its weights anew would peak at twice their bytes."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _load_libc():
-    try:
-        libc = ctypes.CDLL(None)
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        return libc
-    except (OSError, AttributeError):  # not glibc: nothing to trim, nothing lost
-        return None
-
-
-_LIBC = _load_libc()
 
 
 _MADV_DONTNEED = 4
@@ -217,8 +197,8 @@ def _release_file_pages(tensor: torch.Tensor, mappings: list[tuple[int, int]]) -
         return  # anonymous memory (a cast, a copy): freed with its last reference
     page = mmap.PAGESIZE
     first, last = -(-start // page) * page, end // page * page
-    if last > first and _LIBC is not None:
-        _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+    if last > first and LIBC is not None:
+        LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 def measure_plan(weights: list[torch.Tensor], rows: tuple[int, ...]) -> Plan:
@@ -247,7 +227,7 @@ def measure_plan(weights: list[torch.Tensor], rows: tuple[int, ...]) -> Plan:
     layout = "transposed" if score["transposed"] < MARGIN * score["plain"] else "plain"
     ms = {f"{name} {r}": round(fastest[name, r, best[name, r]] * 1000.0, 4) for name in layouts for r in rows}
     del layouts
-    _return_freed_memory()  # the sample's transposed copies
+    return_freed_memory()  # the sample's transposed copies
     return Plan(layout == "transposed", tuple(best[layout, r] for r in rows), ms)
 
 

@@ -78,3 +78,39 @@ def test_float32_on_the_same_checkpoint_costs_twice_the_bytes(synthetic_bfloat16
     (small_peak, small), (large_peak, large) = loaded(folder, ["1-4", "1-12"], "float32", tmp_path)
     assert large["weights_bytes"]["layers"] - small["weights_bytes"]["layers"] == 2 * 8 * layer_bytes
     assert large_peak - small_peak <= PEAK_PER_BYTE * 2 * 8 * layer_bytes
+
+
+MOE_SHAPE = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=512, num_experts=16,
+                 num_experts_per_tok=2, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                 head_dim=64, vocab_size=VOCAB, max_position_embeddings=2048, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def synthetic_moe(tmp_path_factory, default_model):
+    """A random-weight Qwen3-MoE of ``MOE_SHAPE`` saved in bfloat16: its checkpoint holds each expert's matrices
+    apart, which transformers' loader fuses into one tensor per layer (new memory, beside the file's pages)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    dest = tmp_path_factory.mktemp("synthetic-moe")
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM._from_config(Qwen3MoeConfig(**MOE_SHAPE), dtype=torch.bfloat16)
+    model.save_pretrained(dest)
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    del model
+    for name in TOKENIZER_FILES:
+        if (default_model / name).exists():
+            shutil.copy(default_model / name, dest / name)
+    return dest, layer_bytes
+
+
+@pytest.mark.slow
+def test_a_node_of_fused_experts_holds_them_once(synthetic_moe, tmp_path):
+    """Fused experts are new memory: the checkpoint's pages they came from are let go, not kept mapped beside them."""
+    folder, layer_bytes = synthetic_moe
+    (small_peak, small), (large_peak, large) = loaded(folder, ["1-2", "1-6"], "bfloat16", tmp_path)
+    assert large["weights_bytes"]["layers"] - small["weights_bytes"]["layers"] == 4 * layer_bytes
+    extra_bytes = 4 * layer_bytes
+    print(f"4 more MoE layers ({extra_bytes / 2**20:.0f} MiB): peak {small_peak / 2**20:.0f} -> "
+          f"{large_peak / 2**20:.0f} MiB, {(large_peak - small_peak) / extra_bytes:.2f}x their bytes")
+    assert large_peak - small_peak <= PEAK_PER_BYTE * extra_bytes
