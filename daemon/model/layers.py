@@ -27,6 +27,7 @@ from daemon.model.batching import (
     batched_attention,
     head_rows,
 )
+from daemon.model.decode import FastDecoder
 
 # Which mask each attention type gets, as the models' own forwards build them.
 MASK_BUILDERS = {
@@ -57,6 +58,7 @@ class DecoderLayers:
         # Gemma 4 layers hand their keys and values to later layers
         self._layers_share_kv = "shared_kv_states" in inspect.signature(type(self._layers[0]).forward).parameters
         self._attention_configs = attention_configs(self._layers[start:end])  # switched for batched steps
+        self._fast: FastDecoder | None = None  # bound at the first one-position step, after loading and plans
 
     def new_cache(self):
         """An empty cache for every layer of the model (the hosted ones fill), as the model's own forward makes it."""
@@ -80,6 +82,10 @@ class DecoderLayers:
         types = self.layer_types
         masks = self._masks(hidden, position_ids, cache, hosted)
         position_embeddings = self._rotary(hidden, position_ids, {types[i] for i in hosted})
+        if q_len == 1 and not any(m is not None for m in masks.values()):
+            fast = self.fast_decoder()
+            if fast.fits(start_layer) and fast.cache_fits(cache, start_layer):
+                return fast.run(hidden, position_embeddings["full_attention"], cache, start_layer)
         layers = self._layers
         # stateless calls pass no cache arguments at all: layers that reject them still run
         cache_kwargs = {"cache": cache, "use_cache": True} if cache is not None else {}
@@ -95,6 +101,16 @@ class DecoderLayers:
                 **shared_kv,
             )
         return hidden
+
+    def fast_decoder(self) -> FastDecoder:
+        """The one-position path through these layers (:mod:`daemon.model.decode`), bound on first use."""
+        if self._fast is None:
+            self._fast = FastDecoder(self._layers, self.config, self.layer_types, self.start, self.end)
+        return self._fast
+
+    def forget_fast_decoder(self) -> None:
+        """Bind the one-position path again at its next use: the layers' projections were replaced."""
+        self._fast = None
 
     def _masks(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache, hosted: range) -> dict:
         """One mask per hosted layer type, each built against the first hosted layer of that type (the cache's

@@ -185,7 +185,9 @@ class ModelShard(DecoderLayers):
         modules = [m for i in range(self.start, self.end) for m in self._layers[i].modules()]
         if self.is_tail:
             modules.append(self.model.lm_head)
-        return plan_linears(modules, max_rows=max_rows, store=store, progress=progress)
+        plans = plan_linears(modules, max_rows=max_rows, store=store, progress=progress)
+        self.forget_fast_decoder()
+        return plans
 
     # ---- steps -------------------------------------------------------------------------------
 
