@@ -267,7 +267,10 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
         say(f"starting {name} in {precision}")
         # room for every concurrent session, live or kept for reuse: no eviction shows up as a re-prefill
         room = ["--kv-max-sessions", str(2 * max(args.sessions) + 2)] if key == "cached" else []
-        mesh = Mesh(name, specs, args.model, args.threads, node_args=_node_args(args, precision) + room)
+        # every run computes its prompt whole, as generate does: a repeat starting from the last run's prefix would
+        # compute its last prompt position alone, which in bfloat16 rounds otherwise and may change later tokens
+        mesh = Mesh(name, specs, args.model, args.threads,
+                    node_args=_node_args(args, precision) + room + ["--prefix-reuse", "off"])
         try:
             mesh.generate(4)  # warm-up: connections, route measurements, lazy loads
             for tokens in args.tokens:
