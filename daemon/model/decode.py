@@ -134,12 +134,14 @@ class FastDecoder:
     def fits(self, start_layer: int) -> bool:
         return bool(self._bound) and start_layer in self._bound
 
-    def cache_fits(self, cache, start_layer: int) -> bool:
-        """Whether ``cache`` (None: stateless) keeps every hosted layer in a :class:`GrowingLayer`."""
+    def cache_fits(self, cache, start_layer: int, past_len: int) -> bool:
+        """Whether ``cache`` (None: stateless, from position 0) keeps every hosted layer in a :class:`GrowingLayer`
+        holding exactly the ``past_len`` positions before this one (layers that ignored the cache filled none)."""
         if cache is None:
-            return True
+            return past_len == 0
         layers = cache.layers
-        return all(type(layers[i]) is GrowingLayer for i in range(start_layer, self.end))
+        return all(type(layers[i]) is GrowingLayer and layers[i].get_seq_length() == past_len
+                   for i in range(start_layer, self.end))
 
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor], cache,

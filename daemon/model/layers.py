@@ -84,7 +84,7 @@ class DecoderLayers:
         position_embeddings = self._rotary(hidden, position_ids, {types[i] for i in hosted})
         if q_len == 1 and not any(m is not None for m in masks.values()):
             fast = self.fast_decoder()
-            if fast.fits(start_layer) and fast.cache_fits(cache, start_layer):
+            if fast.fits(start_layer) and fast.cache_fits(cache, start_layer, past_len):
                 return fast.run(hidden, position_embeddings["full_attention"], cache, start_layer)
         layers = self._layers
         # stateless calls pass no cache arguments at all: layers that reject them still run
