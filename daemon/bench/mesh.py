@@ -175,6 +175,7 @@ def mesh_row(stats: dict) -> dict:
         "step_ms": stats["step_ms"],
         "token_ids": stats["token_ids"],
         "reprefills": stats["reprefills"],
+        "cached_tokens": stats["cached_tokens"],  # prompt tokens a reused prefix held: 0 where each run starts cold
         "payload_bytes_per_hop_step": per_step("payload_bytes", remote, steps),
         "wire_bytes_per_hop_step": per_step("sent_bytes", remote, steps),
         "reply_bytes_per_hop_step": per_step("received_bytes", remote, steps),
