@@ -169,7 +169,7 @@ def test_windows_and_rows_from_generation_stats():
     assert window_tps([], last=True) is None
     stats = {
         "prefill_ms": 50.0, "first_token_ms": 50.0, "decode_tokens_per_second": 10.0, "reprefills": 0,
-        "step_ms": [100.0] * 4, "token_ids": [1, 2, 3, 4, 5],
+        "cached_tokens": 3, "step_ms": [100.0] * 4, "token_ids": [1, 2, 3, 4, 5],
         "decode_hops": [
             {"url": "a", "local": True, "steps": 4, "latency_ms": 200.0, "compute_ms": 196.0,
              "payload_bytes": 0, "sent_bytes": 0, "received_bytes": 0},
@@ -181,6 +181,7 @@ def test_windows_and_rows_from_generation_stats():
     assert row["overhead_ms_per_hop_step"] == 2.5  # (210 - 200) / 4, remote hops only
     assert row["local_overhead_ms_per_step"] == 1.0
     assert row["payload_bytes_per_hop_step"] == 2304 and row["wire_bytes_per_hop_step"] == 2700
+    assert row["cached_tokens"] == 3  # prompt tokens a reused prefix held
 
 
 def test_targets_are_checked_against_the_rows():
