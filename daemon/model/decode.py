@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +62,9 @@ class _Layer:
 def _projection(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """``module``'s product as a bare callable: ``F.linear`` on a plain ``nn.Linear``, else its own forward
     (planned kernels, quantized weights), without ``nn.Module.__call__``'s hooks machinery."""
-    if type(module) is nn.Linear:
-        return partial(F.linear, weight=module.weight, bias=module.bias)
+    if type(module) is nn.Linear:  # by position: torchao's quantized weights read F.linear's arguments so
+        weight, bias = module.weight, module.bias
+        return lambda x: F.linear(x, weight, bias)
     return module.forward
 
 

@@ -83,3 +83,14 @@ def test_replaced_projections_are_bound_again(tiny_model, monkeypatch):
     assert runs == STEPS
     for got, want in zip(after, before):  # a plan changes only the order of each sum
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("method", ["int8", "int8-torchao"])
+def test_quantized_layers_take_the_path_bitwise(tiny_model, monkeypatch, method):
+    """Quantized projections run through their own product (PyTorch's int8 kernel, torchao's tensor subclass)."""
+    shard = ModelShard(tiny_model("llama"), 0, 4, sessions=SessionCacheStore(), dtype=torch.bfloat16, quantize=method)
+    slow, slow_runs = _decode(shard, 0, fast=False, monkeypatch=monkeypatch)
+    fast, fast_runs = _decode(shard, 0, fast=True, monkeypatch=monkeypatch)
+    assert (slow_runs, fast_runs) == (0, STEPS)
+    for got, want in zip(fast, slow):
+        assert torch.equal(got, want)
