@@ -106,30 +106,18 @@ class FastDecoder:
     """One-position steps through layers ``[start, end)`` of ``layers`` where every one of them can take it.
 
     ``fits(start_layer)`` says whether a step from ``start_layer`` can run here; ``run`` runs it. The layers are
-    bound once (their weights are the modules' own tensors: quantizing or re-laying them out later must call
-    :meth:`rebind`).
+    bound once, to the modules' own tensors: after their projections are replaced or re-laid out, make a new one
+    (``DecoderLayers.forget_fast_decoder``).
     """
 
     def __init__(self, layers: Sequence[nn.Module], config, layer_types: Sequence[str], start: int, end: int) -> None:
-        self._modules, self._config, self._types = layers, config, layer_types
         self.start, self.end = start, end
-        self._bound: dict[int, _Layer] = {}
-        self.rebind()
-
-    def rebind(self) -> None:
-        """Bind every hosted layer again (after its projections were replaced or re-laid out)."""
-        self._bound = {}
-        if getattr(self._config, "_attn_implementation", None) != "sdpa":
+        self._bound: dict[int, _Layer] = {}  # every hosted layer, or none: a step runs all of them or none here
+        if getattr(config, "_attn_implementation", None) != "sdpa":
             return
-        for i in range(self.start, self.end):
-            if self._types[i] != "full_attention":
-                self._bound = {}
-                return
-            bound = _bind(self._modules[i], self._config)
-            if bound is None:
-                self._bound = {}
-                return
-            self._bound[i] = bound
+        bound = {i: _bind(layers[i], config) if layer_types[i] == "full_attention" else None for i in range(start, end)}
+        if all(b is not None for b in bound.values()):
+            self._bound = bound
 
     def fits(self, start_layer: int) -> bool:
         return bool(self._bound) and start_layer in self._bound

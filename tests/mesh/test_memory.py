@@ -23,12 +23,18 @@ PEAK_PER_BYTE = 1.2  # a node's peak may exceed its layers' bytes in the compute
 @pytest.fixture(scope="module")
 def synthetic_bfloat16(tmp_path_factory, default_model):
     """A random-weight Llama of ``SHAPE`` saved in bfloat16, with the built-in model's tokenizer."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    dest = tmp_path_factory.mktemp("synthetic-bf16")
+    return _saved(LlamaForCausalLM, LlamaConfig(**SHAPE), tmp_path_factory.mktemp("synthetic-bf16"), default_model)
+
+
+def _saved(model_class, config, dest, default_model):
+    """``(dest, bytes of one layer)``: a random-weight ``model_class`` of ``config`` saved in bfloat16 into ``dest``
+    with the built-in model's tokenizer."""
+    import torch
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(LlamaConfig(**SHAPE), dtype=torch.bfloat16)
+    model = model_class._from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(dest)
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     del model
@@ -89,19 +95,10 @@ MOE_SHAPE = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=
 def synthetic_moe(tmp_path_factory, default_model):
     """A random-weight Qwen3-MoE of ``MOE_SHAPE`` saved in bfloat16: its checkpoint holds each expert's matrices
     apart, which transformers' loader fuses into one tensor per layer (new memory, beside the file's pages)."""
-    import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    dest = tmp_path_factory.mktemp("synthetic-moe")
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM._from_config(Qwen3MoeConfig(**MOE_SHAPE), dtype=torch.bfloat16)
-    model.save_pretrained(dest)
-    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
-    del model
-    for name in TOKENIZER_FILES:
-        if (default_model / name).exists():
-            shutil.copy(default_model / name, dest / name)
-    return dest, layer_bytes
+    return _saved(Qwen3MoeForCausalLM, Qwen3MoeConfig(**MOE_SHAPE), tmp_path_factory.mktemp("synthetic-moe"),
+                  default_model)
 
 
 @pytest.mark.slow
