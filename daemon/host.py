@@ -1,5 +1,5 @@
-"""Facts about the machine this process runs on: the cores it may use and the CPU's name; and handing the C
-heap's free memory back to it.
+"""Facts about the machine this process runs on: the cores it may use and the CPU's name; handing the C
+heap's free memory back to it, and letting go of pages read from files this process maps.
 
 Standard library only, and nothing of the daemon: the config, the model code and the bench all
 read these, so they live below every layer.
@@ -8,6 +8,7 @@ read these, so they live below every layer.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import platform
 
@@ -35,6 +36,42 @@ def return_freed_memory() -> None:
     alignment on top): a node laying out or fusing its weights anew would otherwise peak well above them."""
     if LIBC is not None:
         LIBC.malloc_trim(0)
+
+
+def file_mappings() -> list[tuple[int, int]]:
+    """This process's memory ranges mapped from files (checkpoints whose pages a node's weights were read from)."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    ranges.append((start, end))
+    except OSError:
+        pass
+    return ranges
+
+
+def in_file_mapping(start: int, length: int, mappings: list[tuple[int, int]]) -> bool:
+    """Whether the ``length`` bytes at address ``start`` lie in one of ``mappings``."""
+    return any(lo <= start and start + length <= hi for lo, hi in mappings)
+
+
+def release_file_pages(start: int, length: int, mappings: list[tuple[int, int]]) -> None:
+    """Drop the resident pages of the ``length`` bytes at ``start`` where they lie in a file mapping: a weight
+    copied out of a checkpoint no longer reads them, and they would count in the node's memory beside the copy
+    until the mapping goes. Only whole pages inside the range, only file pages: touched again, they are read back
+    from the file. Anonymous memory (a cast, a copy) is left alone: it is freed with its last reference."""
+    if LIBC is None or length <= 0 or not in_file_mapping(start, length, mappings):
+        return
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, (start + length) // page * page
+    if last > first:
+        LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+_MADV_DONTNEED = 4
 
 
 def _load_libc():

@@ -215,6 +215,8 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
+    from daemon.host import file_mappings, in_file_mapping
+    from daemon.model.fusing import fuse_in_place
     from daemon.model.quantize import quantize_layers
 
     files = sorted(folder.glob("*.safetensors"))
@@ -229,7 +231,8 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
                 groups.setdefault(layer.group(1) if layer else part, {}).setdefault(file, []).append(key)
     config = LoadStateDictConfig(
         dtype=dtype,
-        weight_mapping=get_model_conversion_mapping(model, TEXT_MODEL_RENAMING, None),
+        # experts are stacked straight into their fused tensor (daemon.model.fusing), not stacked then joined
+        weight_mapping=[fuse_in_place(t) for t in get_model_conversion_mapping(model, TEXT_MODEL_RENAMING, None)],
         device_map={"": str(device)},
     )
     # A layer at a time, from files mapped for it alone, quantized as soon as it is in: a mapped file's pages
@@ -249,13 +252,17 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
         if layer is not None and quantize:
             quantize_layers([layer], quantize)
         # A layer whose checkpoint tensors were fused (MoE experts, qkv) or quantized holds new memory: its other
-        # weights are copied too, so nothing keeps this group's file mapped, and the pages the new tensors were
-        # read from leave the resident set (else they stay counted beside them until the node exits).
+        # weights still in the file are copied too, so nothing keeps this group's file mapped, and the pages the
+        # new tensors were read from leave the resident set (else they stay counted beside them until the node
+        # exits). Tensors already in memory of their own (the fused experts) are not copied again.
         if layer is not None and (quantize or sum(len(keys) for keys in keys_by_file.values())
                                   > sum(1 for _ in layer.parameters())):
+            mappings = file_mappings()
             for parameter in layer.parameters():
-                if type(parameter.data) is torch.Tensor:
-                    parameter.data = parameter.data.clone()
+                data = parameter.data
+                if type(data) is torch.Tensor and in_file_mapping(
+                        data.data_ptr(), data.numel() * data.element_size(), mappings):
+                    parameter.data = data.clone()
             return_freed_memory()  # what fusing and casting left in the C heap
     if "lm_head" in parts and model.lm_head.weight.device.type == "meta":
         # no LM head in the checkpoint: it is tied to the embeddings, even where a multimodal checkpoint's

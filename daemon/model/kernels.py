@@ -36,11 +36,9 @@ and computes the same way on every start.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import json
 import logging
-import mmap
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -51,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from daemon.host import LIBC, cpu_name, return_freed_memory
+from daemon.host import cpu_name, file_mappings, release_file_pages, return_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +131,7 @@ def plan_linears(modules: Iterable[nn.Module], *, max_rows: int, store: PlanStor
                 if store is not None:
                     store.put(key, plan)
             plans[shape] = plan
-    mappings = _file_mappings()
+    mappings = file_mappings()
     for shape, group in groups.items():
         for module in group:
             apply_plan(module, plans[shape], mappings)
@@ -159,46 +157,13 @@ def apply_plan(module: nn.Linear, plan: Plan, mappings: list[tuple[int, int]] = 
             for first in range(0, old.shape[0], block):
                 new[first:first + block].copy_(old[first:first + block])
                 if not transposed:  # rows of a plain weight are whole ranges of its memory
-                    _release_file_pages(old[first:first + block], mappings)
+                    part = old[first:first + block]
+                    release_file_pages(part.data_ptr(), part.numel() * part.element_size(), mappings)
             weight.data = new
         del old
         return_freed_memory()  # the former weight, where it came from the heap (a cast checkpoint's copy)
     module.__class__ = PlannedLinear
     module.plan = plan
-
-
-_MADV_DONTNEED = 4
-
-
-def _file_mappings() -> list[tuple[int, int]]:
-    """This process's memory ranges mapped from files (checkpoints a shard's weights may still point into)."""
-    ranges = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
-                    start, end = (int(x, 16) for x in fields[0].split("-"))
-                    ranges.append((start, end))
-    except OSError:
-        pass
-    return ranges
-
-
-def _release_file_pages(tensor: torch.Tensor, mappings: list[tuple[int, int]]) -> None:
-    """Drop the resident pages of a weight's former tensor where it lies in a file mapping: the weight no longer
-    reads them, and they would count in the node's memory beside its new copy until the kernel reclaimed them.
-    Only whole pages inside the tensor, only file pages: touched again, they would be read back from the file."""
-    if tensor.device.type != "cpu" or not mappings:
-        return
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    if not any(lo <= start and end <= hi for lo, hi in mappings):
-        return  # anonymous memory (a cast, a copy): freed with its last reference
-    page = mmap.PAGESIZE
-    first, last = -(-start // page) * page, end // page * page
-    if last > first and LIBC is not None:
-        LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 def measure_plan(weights: list[torch.Tensor], rows: tuple[int, ...]) -> Plan:

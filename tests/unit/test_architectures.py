@@ -258,6 +258,19 @@ def test_tail_logits_equal_full_model(reference, arch, dtype):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("arch", "dtype"), ARCH_DTYPES)
+def test_weights_equal_from_pretrained(reference, arch, dtype):
+    """Every weight of a shard's layers is ``from_pretrained``'s, bit for bit: fused MoE experts too, which a
+    shard stacks straight into place (``daemon.model.fusing``) where transformers stacks and then joins."""
+    folder, model, _, _ = reference(arch, dtype)
+    shard = ModelShard(folder, 1, N_LAYERS, head=False, kv_cache=False, dtype=dtype)
+    want = dict(model.get_decoder().layers.named_parameters())
+    got = {name: p for name, p in shard.model.model.layers.named_parameters() if p.device.type != "meta"}
+    assert got.keys() == {name for name in want if not name.startswith("0.")}
+    for name, weight in got.items():
+        assert torch.equal(weight, want[name]), f"{arch}: {name} differs from from_pretrained's"
+
+
 # ---- multimodal checkpoints: only the text model is read ---------------------------------------------
 
 
