@@ -140,7 +140,8 @@ def _fmt(value, spec: str, width: int) -> str:
 
 
 def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floor: dict, *,
-                multiturn: Sequence[dict] = (), shared_prefix: Sequence[dict] = (), shapes: Sequence[dict] = ()) -> None:
+                multiturn: Sequence[dict] = (), shared_prefix: Sequence[dict] = (),
+                shapes: Sequence[dict] = ()) -> None:
     """The run's rows, concurrent sessions, prompt reuse, loopback floor and targets, as tables on stdout."""
     header = (f"{'setup':<34} {'dtype':>8} {'tokens':>6} {'prefill ms':>10} {'tok/s':>7} {'first10':>7} "
               f"{'last10':>7} {'decay':>5} {'B/hop/step':>10} {'ovh ms/hop':>10} {'vs gen':>7} {'same':>4} "

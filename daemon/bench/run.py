@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512],
                         help="new tokens per run (default 128 512)")
     parser.add_argument("--setups", nargs="+", choices=SETUPS,
-                        help="what to measure (default all but real-size): generate, one (1 node with every layer), llama.cpp "
+                        help="what to measure (default all but real-size): generate, one (1 node with every layer), "
+                        "llama.cpp "
                         "(on the same weights at the same precision, with the bench extra), cached (2 nodes), "
                         "stateless (2 nodes), three (3 nodes, cached), multiturn (a chat's turns with and without "
                         "its prefix reused), shared-prefix (clients at once with one system prompt, with and "
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = resolve_model(args.model, progress=say)
     args.gguf = source_gguf(args.model)
     if "llama.cpp" in args.setups and args.gguf is None:
-        message = f"llama.cpp needs the model as a .gguf file (the built-in model, or --model FILE.gguf), not {args.model}"
+        message = (f"llama.cpp needs the model as a .gguf file (the built-in model, or --model FILE.gguf), "
+                   f"not {args.model}")
         if chosen:
             parser.error(message)
         say(f"{message}; measuring without it")

@@ -26,7 +26,6 @@ from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.prefix import PrefixIndex, Reuse
 from daemon.mesh.text import TextStream
 
-
 MAX_FAILOVERS = 8  # per generation: a mesh that keeps failing is an error, not a loop
 REROUTE_CHECK_STEPS = 16  # how often a generation asks whether its route has become far slower
 

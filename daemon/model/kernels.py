@@ -28,9 +28,9 @@ What a plan changes in the arithmetic: the order in which each output's sum is a
 logits move by float rounding (about 1e-6 of their scale in float32). Tokens on the test prompts
 stay those of transformers' ``generate`` (``tests/unit/test_kernels.py``); ``--tune-kernels off`` keeps
 transformers' own products, bit for bit. Only float32 weights are planned: bfloat16 rounds each
-product's output, so another accumulation order can change tokens. Plans are remembered per CPU, torch version, thread count,
-dtype and shape in ``kernel-plans.json`` beside the model cache, so a node decides once per machine
-and computes the same way on every start.
+product's output, so another accumulation order can change tokens. Plans are remembered per CPU, torch
+version, thread count, dtype and shape in ``kernel-plans.json`` beside the model cache, so a node decides
+once per machine and computes the same way on every start.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from daemon.server.openai import _chat_chunks, parse_chat_request
 from meshtui.app import MeshApp
 from meshtui.client import _chunk
 from meshtui.messages import GenerationChunk, GenerationEnded
-from tests.support.tui_data import FrozenClock, ScriptedHead
+from tests.support.tui_data import ScriptedHead
 
 
 class AnsweringConsole(MeshApp):

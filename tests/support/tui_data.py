@@ -175,8 +175,8 @@ class ScriptedHead:
     """A head whose every generation streams the same scripted answer (``daemon.server.backend.ChatHead``).
 
     ``hold_after``: stop after that many tokens until :attr:`release` is set (it notices a client that left).
-    ``clock`` and ``steps`` move a frozen clock before each chunk of the stream (the opening one, every token, the closing one), cycling
-    through ``steps``.
+    ``clock`` and ``steps`` move a frozen clock before each chunk of the stream (the opening one, every token,
+    the closing one), cycling through ``steps``.
 
     Like the real head it keeps a finished answer's conversation on the nodes (a retained prefix): a prompt
     that starts with it reports those tokens as cached. Tokens are counted by :func:`chat_tokens`.
