@@ -27,10 +27,12 @@ least, and runs each product with the kernel measured fastest for its row count
 What a plan changes in the arithmetic: the order in which each output's sum is accumulated, so
 logits move by float rounding (about 1e-6 of their scale in float32). Tokens on the test prompts
 stay those of transformers' ``generate`` (``tests/unit/test_kernels.py``); ``--tune-kernels off`` keeps
-transformers' own products, bit for bit. Only float32 weights are planned: bfloat16 rounds each
-product's output, so another accumulation order can change tokens. Plans are remembered per CPU, torch
-version, thread count, dtype and shape in ``kernel-plans.json`` beside the model cache, so a node decides
-once per machine and computes the same way on every start.
+transformers' own products, bit for bit. bfloat16 rounds each product's output, so another accumulation
+order moves logits by more (up to 0.037 of their scale on the built-in model) and can flip near-tied greedy
+tokens: a bfloat16 weight keeps transformers' product unless another takes under :data:`ROUNDED_MARGIN` of
+its time (large matrices, where MKL's bfloat16 product streams at 0.6 of the memory's speed). Plans are
+remembered per CPU, torch version, thread count, dtype and shape in ``kernel-plans.json`` beside the model
+cache, so a node decides once per machine and computes the same way on every start.
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ ROWS = (1, 4, 8)  # the row counts a plan is measured at; a product of r rows ta
 SAMPLE_BYTES = 64 << 20  # weights timed per shape and layout: past a CPU's caches, streamed from memory as a step does
 ROUNDS = 4  # interleaved timing rounds per candidate: the first sets kernels up, the fastest of the rest counts
 MARGIN = 0.97  # the transposed layout is kept only when its time is under this share of the plain layout's
+# bfloat16 and float16 products round each output, so another kernel or layout can move tokens: one is kept only
+# where it takes under this share of transformers' own product's time (large matrices on CPUs whose MKL
+# bfloat16 product runs at a fraction of the memory's speed), see docs/adr/0039-bfloat16-plans-where-they-pay.md
+ROUNDED_MARGIN = 0.8
 KERNELS = ("blas", "onednn")
 
 
@@ -96,16 +102,17 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def plannable(module: nn.Module) -> bool:
-    """Whether ``module`` is a plain CPU ``nn.Linear`` with float32 weights a plan can lay out (not quantized).
+PLANNED_DTYPES = (torch.float32, torch.bfloat16)
 
-    Only float32: in bfloat16 another kernel's order of accumulation changes the rounded outputs, and on a Xeon a
-    two-node bfloat16 mesh with plans left ``generate``'s tokens at the 40th token of a test prompt."""
+
+def plannable(module: nn.Module) -> bool:
+    """Whether ``module`` is a plain CPU ``nn.Linear`` with float32 or bfloat16 weights a plan can lay out (not
+    quantized). float16: no CPU kernel of either library streams it faster than transformers' own."""
     if type(module) not in (nn.Linear, PlannedLinear):
         return False
     weight = module.weight
     return (type(weight.data) is torch.Tensor and weight.device.type == "cpu"
-            and weight.dtype == torch.float32 and weight.dim() == 2)
+            and weight.dtype in PLANNED_DTYPES and weight.dim() == 2)
 
 
 def plan_linears(modules: Iterable[nn.Module], *, max_rows: int, store: PlanStore | None = None,
@@ -187,9 +194,20 @@ def measure_plan(weights: list[torch.Tensor], rows: tuple[int, ...]) -> Plan:
                         times.setdefault((layout, r, kernel), []).append(_time(group, inputs[r], kernel))
     # the fastest round: what the product costs when the host leaves it alone (the first round sets kernels up)
     fastest = {k: min(v[1:]) for k, v in times.items()}
-    best = {(layout, r): min(kernels, key=lambda k: fastest[layout, r, k]) for layout in layouts for r in rows}
+    # float32: the fastest kernel of each layout; a rounded dtype keeps transformers' own product (MKL, [out, in])
+    # unless another is faster by the margin
+    rounded = sample[0].dtype != torch.float32
+    margin = ROUNDED_MARGIN if rounded else MARGIN
+
+    def best_kernel(layout: str, r: int) -> str:
+        kernel = min(kernels, key=lambda k: fastest[layout, r, k])
+        if rounded and kernel != "blas" and fastest[layout, r, kernel] >= margin * fastest["plain", r, "blas"]:
+            return "blas"
+        return kernel
+
+    best = {(layout, r): best_kernel(layout, r) for layout in layouts for r in rows}
     score = {layout: sum(fastest[layout, r, best[layout, r]] for r in rows) for layout in layouts}
-    layout = "transposed" if score["transposed"] < MARGIN * score["plain"] else "plain"
+    layout = "transposed" if score["transposed"] < margin * score["plain"] else "plain"
     ms = {f"{name} {r}": round(fastest[name, r, best[name, r]] * 1000.0, 4) for name in layouts for r in rows}
     del layouts
     return_freed_memory()  # the sample's transposed copies
