@@ -29,6 +29,7 @@ from daemon.errors import BadRequest, CacheMiss, ModelUnavailable
 from daemon.kvstore import SessionCacheStore
 from daemon.model.batching import batching_refusal
 from daemon.model.checkpoint import buffers_to_device, build_skeleton, context_length, load_parts, read_model_info
+from daemon.model.experts import use_decode_experts
 from daemon.model.kvcache import cache_nbytes, cut_back
 from daemon.model.layers import MASK_BUILDERS, DecoderLayers
 from daemon.model.quantize import parameter_bytes
@@ -119,6 +120,7 @@ class ModelShard(DecoderLayers):
         # with ``quantize``, the node's own layers only: embeddings and LM head stay as loaded
         self._load(self._wanted_parts(head=head), quantize=quantize)
         buffers_to_device(self.model, self.device)
+        use_decode_experts(self.model)  # MoE layers: a step's few routed experts without grouped_mm's walk over all
         # the head turns chats into ids, the tail names its token
         self.tokenizer = ChatTokenizer.load(self.folder, self.config) if (head or self.is_tail) else None
         self._stats_store = sessions  # misses of a stateless node still show in its statistics

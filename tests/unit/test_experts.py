@@ -1,0 +1,59 @@
+"""A decode step's routed experts one by one (``daemon.model.experts``): ``grouped_mm``'s result bit for bit,
+for one token, for tokens sharing an expert, and past the pairs it takes (where it hands over)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig
+from transformers.integrations.moe import grouped_mm_experts_forward
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+from daemon.model import experts as decode_experts
+from daemon.model.experts import MAX_PAIRS, decode_experts_forward
+
+
+def _experts(dtype: torch.dtype) -> torch.nn.Module:
+    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4)
+    module = Qwen3MoeExperts(config).to(dtype)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    return module
+
+
+def _routing(tokens: int, top_k: int, experts: int, seed: int, shared: bool = False):
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    if shared:  # every token routed to expert 3 in one slot: an expert with several rows
+        index[:, 0] = 3
+        index[:, 1:] = torch.where(index[:, 1:] == 3, 15, index[:, 1:])
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), dim=-1)
+    return index, weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "shared"), [(1, False), (3, False), (4, True)])
+def test_routed_experts_one_by_one_equal_grouped_mm(dtype, tokens, shared):
+    module = _experts(dtype)
+    hidden = torch.randn(tokens, 64).to(dtype)
+    index, weights = _routing(tokens, 4, 16, seed=tokens, shared=shared)
+    with torch.inference_mode():
+        want = grouped_mm_experts_forward(module, hidden, index, weights)
+        got = decode_experts_forward(module, hidden, index, weights)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+def test_more_pairs_than_it_takes_go_to_grouped_mm(monkeypatch):
+    module = _experts(torch.float32)
+    tokens = MAX_PAIRS // 4 + 1
+    handed = []
+    monkeypatch.setattr(decode_experts, "grouped_mm_experts_forward",
+                        lambda *args: handed.append(args[1].shape[0]) or grouped_mm_experts_forward(*args))
+    index, weights = _routing(tokens, 4, 16, seed=9)
+    decode_experts_forward(module, torch.randn(tokens, 64), index, weights)
+    assert handed == [tokens]
+    decode_experts_forward(module, torch.randn(1, 64), *_routing(1, 4, 16, seed=1))
+    assert handed == [tokens]  # one token's 4 pairs: computed here
