@@ -105,6 +105,10 @@ def onednn_available() -> bool:
 PLANNED_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def plannable_dtype(dtype: torch.dtype) -> bool:
+    return dtype in PLANNED_DTYPES
+
+
 def plannable(module: nn.Module) -> bool:
     """Whether ``module`` is a plain CPU ``nn.Linear`` with float32 or bfloat16 weights a plan can lay out (not
     quantized). float16: no CPU kernel of either library streams it faster than transformers' own."""
@@ -112,7 +116,7 @@ def plannable(module: nn.Module) -> bool:
         return False
     weight = module.weight
     return (type(weight.data) is torch.Tensor and weight.device.type == "cpu"
-            and weight.dtype in PLANNED_DTYPES and weight.dim() == 2)
+            and plannable_dtype(weight.dtype) and weight.dim() == 2)
 
 
 def plan_linears(modules: Iterable[nn.Module], *, max_rows: int, store: PlanStore | None = None,
@@ -125,19 +129,8 @@ def plan_linears(modules: Iterable[nn.Module], *, max_rows: int, store: PlanStor
         if plannable(module) and id(module) not in seen:
             seen.add(id(module))
             groups.setdefault(_shape(module.weight), []).append(module)
-    rows = tuple(r for r in ROWS if r == 1 or r <= max_rows)
-    plans: dict[tuple, Plan] = {}
-    threads = torch.get_num_threads()
-    # one daemon measures at a time on this host (two timing at once would each see the other's load)
-    with store.locked() if store is not None else contextlib.nullcontext():
-        for shape, group in groups.items():
-            key = _key(shape, rows, threads)
-            plan = store.get(key) if store is not None else None
-            if plan is None:
-                plan = measure_plan([m.weight.detach() for m in group], rows)
-                if store is not None:
-                    store.put(key, plan)
-            plans[shape] = plan
+    plans = measured_plans({shape: [m.weight.detach() for m in group] for shape, group in groups.items()},
+                           max_rows=max_rows, store=store)
     mappings = file_mappings()
     for shape, group in groups.items():
         for module in group:
@@ -145,6 +138,27 @@ def plan_linears(modules: Iterable[nn.Module], *, max_rows: int, store: PlanStor
     return_freed_memory()
     if progress is not None and plans:
         progress(describe(plans))
+    return plans
+
+
+def measured_plans(weights: dict[tuple, list[torch.Tensor]], *, max_rows: int, store: PlanStore | None = None,
+                   plain_only: bool = False) -> dict[tuple, Plan]:
+    """A plan per shape of ``weights`` (``(out, in, dtype)`` -> that shape's matrices), read from ``store`` or
+    measured (and remembered) for products of up to ``max_rows`` rows. ``plain_only``: kernels for the
+    ``[out, in]`` layout alone, for weights that cannot be laid out anew."""
+    rows = tuple(r for r in ROWS if r == 1 or r <= max_rows)
+    plans: dict[tuple, Plan] = {}
+    threads = torch.get_num_threads()
+    # one daemon measures at a time on this host (two timing at once would each see the other's load)
+    with store.locked() if store is not None else contextlib.nullcontext():
+        for shape, group in weights.items():
+            key = _key(shape, rows, threads) + (" plain" if plain_only else "")
+            plan = store.get(key) if store is not None else None
+            if plan is None:
+                plan = measure_plan(group, rows, plain_only=plain_only)
+                if store is not None:
+                    store.put(key, plan)
+            plans[shape] = plan
     return plans
 
 
@@ -173,8 +187,9 @@ def apply_plan(module: nn.Linear, plan: Plan, mappings: list[tuple[int, int]] = 
     module.plan = plan
 
 
-def measure_plan(weights: list[torch.Tensor], rows: tuple[int, ...]) -> Plan:
-    """Time ``weights`` (one shape) in both layouts with every kernel at each of ``rows``: the fastest plan."""
+def measure_plan(weights: list[torch.Tensor], rows: tuple[int, ...], *, plain_only: bool = False) -> Plan:
+    """Time ``weights`` (one shape) in both layouts (``plain_only``: as they are) with every kernel at each of
+    ``rows``: the fastest plan."""
     sample, total = [], 0
     for weight in weights:  # whole matrices, the last (or a huge one) cut to its first outputs
         outputs = max(1, (SAMPLE_BYTES - total) // (weight.shape[1] * weight.element_size()))
@@ -182,7 +197,9 @@ def measure_plan(weights: list[torch.Tensor], rows: tuple[int, ...]) -> Plan:
         total += sample[-1].numel() * weight.element_size()
         if total >= SAMPLE_BYTES:
             break
-    layouts = {"plain": [w.contiguous() for w in sample], "transposed": [w.t().contiguous().t() for w in sample]}
+    layouts = {"plain": [w.contiguous() for w in sample]}
+    if not plain_only:
+        layouts["transposed"] = [w.t().contiguous().t() for w in sample]
     kernels = KERNELS if onednn_available() else KERNELS[:1]
     inputs = {r: torch.randn(r, sample[0].shape[1], dtype=sample[0].dtype) for r in rows}
     times: dict[tuple[str, int, str], list[float]] = {}
@@ -207,7 +224,7 @@ def measure_plan(weights: list[torch.Tensor], rows: tuple[int, ...]) -> Plan:
 
     best = {(layout, r): best_kernel(layout, r) for layout in layouts for r in rows}
     score = {layout: sum(fastest[layout, r, best[layout, r]] for r in rows) for layout in layouts}
-    layout = "transposed" if score["transposed"] < margin * score["plain"] else "plain"
+    layout = "transposed" if not plain_only and score["transposed"] < margin * score["plain"] else "plain"
     ms = {f"{name} {r}": round(fastest[name, r, best[name, r]] * 1000.0, 4) for name in layouts for r in rows}
     del layouts
     return_freed_memory()  # the sample's transposed copies

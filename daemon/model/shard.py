@@ -179,8 +179,10 @@ class ModelShard(DecoderLayers):
     def plan_kernels(self, *, max_rows: int, store=None, progress=None) -> dict:
         """Lay out this node's float weights and choose their products' kernels by timing them on this CPU
         (:mod:`daemon.model.kernels`), for batches of up to ``max_rows`` rows: the decoder layers it hosts and, on
-        the tail, the LM head. A no-op off the CPU. Returns the plans by weight shape."""
-        from daemon.model.kernels import plan_linears
+        the tail, the LM head; MoE experts get kernels for their shapes (:func:`daemon.model.experts.plan_experts`).
+        A no-op off the CPU. Returns the linear weights' plans by weight shape."""
+        from daemon.model.experts import plan_experts
+        from daemon.model.kernels import describe, plan_linears
 
         if self.device.type != "cpu":
             return {}
@@ -188,6 +190,9 @@ class ModelShard(DecoderLayers):
         if self.is_tail:
             modules.append(self.model.lm_head)
         plans = plan_linears(modules, max_rows=max_rows, store=store, progress=progress)
+        expert_plans = plan_experts(modules, max_rows=max_rows, store=store)  # MoE experts: kernels, no new layout
+        if progress is not None and expert_plans:
+            progress("expert " + describe(expert_plans))
         self.forget_fast_decoder()
         return plans
 

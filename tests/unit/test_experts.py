@@ -57,3 +57,39 @@ def test_more_pairs_than_it_takes_go_to_grouped_mm(monkeypatch):
     assert handed == [tokens]
     decode_experts_forward(module, torch.randn(1, 64), *_routing(1, 4, 16, seed=1))
     assert handed == [tokens]  # one token's 4 pairs: computed here
+
+
+def test_planned_kernels_compute_the_same_products_within_rounding():
+    from daemon.model.kernels import KERNELS, Plan, onednn_available
+
+    module = _experts(torch.float32)
+    hidden = torch.randn(2, 64)
+    index, weights = _routing(2, 4, 16, seed=5)
+    kernel = "onednn" if onednn_available() else KERNELS[0]
+    module.meshnet_plans = (Plan(False, (kernel,) * 3), Plan(False, (kernel,) * 3))
+    with torch.inference_mode():
+        want = grouped_mm_experts_forward(module, hidden, index, weights)
+        got = decode_experts_forward(module, hidden, index, weights)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_expert_plans_choose_kernels_in_the_layout_the_experts_have(monkeypatch):
+    from daemon.model import kernels
+    from daemon.model.experts import NAME, plan_experts
+
+    module = _experts(torch.bfloat16)
+    module.config._experts_implementation = NAME
+    timed_layouts = set()
+
+    def fake(weights, x, kernel):  # oneDNN a third faster for gate/up ([64, 64] per expert), no faster for down
+        timed_layouts.add("transposed" if weights[0].stride(0) == 1 else "plain")
+        fast = kernel == "onednn" and weights[0].shape == (64, 64)
+        return 2.0 if fast else 3.0
+    monkeypatch.setattr(kernels, "_time", fake)
+    monkeypatch.setattr(kernels, "onednn_available", lambda: True)
+    plans = plan_experts([torch.nn.Linear(4, 4), module], max_rows=1)
+    assert set(plans) == {(64, 64, "bfloat16"), (64, 32, "bfloat16")}
+    gate_up, down = module.meshnet_plans
+    assert gate_up.kernels == ("onednn",) and down.kernels == ("blas",)
+    assert not gate_up.transposed and not down.transposed and timed_layouts == {"plain"}
+    assert module.gate_up_proj.is_contiguous()  # the fused tensor is left as it was

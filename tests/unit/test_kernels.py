@@ -124,7 +124,8 @@ def test_plans_are_remembered_per_machine_and_measured_once(tmp_path, monkeypatc
     path = tmp_path / "plans" / "kernel-plans.json"
     measured = []
     real = kernels.measure_plan
-    monkeypatch.setattr(kernels, "measure_plan", lambda weights, rows: measured.append(rows) or real(weights, rows))
+    monkeypatch.setattr(kernels, "measure_plan",
+                        lambda weights, rows, **kw: measured.append(rows) or real(weights, rows, **kw))
     torch.manual_seed(0)
     first = [nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False)]
     plans = plan_linears(first, max_rows=4, store=PlanStore(path))
