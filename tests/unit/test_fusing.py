@@ -74,7 +74,7 @@ MOE = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=512, 
 
 LOAD = """
 import json, sys, torch
-from daemon.kvstore import SessionCacheStore
+import transformers.models.qwen3_moe.modeling_qwen3_moe  # the model's code, imported before the peak is reset
 from daemon.model.shard import ModelShard
 
 def status(key):
@@ -85,7 +85,8 @@ torch.set_num_threads(1)
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak resident set starts again from here
 before = status("VmRSS")
-shard = ModelShard(sys.argv[1], 0, 2, head=False, sessions=SessionCacheStore(), dtype=torch.bfloat16)
+# no session caches: no load-time probe runs a step, so what grows is what loading holds
+shard = ModelShard(sys.argv[1], 0, 2, head=False, kv_cache=False, dtype=torch.bfloat16)
 held = sum(p.numel() * p.element_size() for p in shard.model.parameters() if p.device.type != "meta")
 print(json.dumps({"growth": status("VmHWM") - before, "held": held}))
 """
