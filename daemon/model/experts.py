@@ -25,10 +25,9 @@ by rounding, as every bfloat16 plan may (ADR-0039).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 
-from daemon.model.kernels import Plan, measured_plans, plannable_dtype
+from daemon.model.kernels import Plan, measured_plans, plannable_dtype, product, weight_shape
 
 NAME = "meshnet_decode"  # the experts implementation's name in transformers' registry
 MAX_PAIRS = 32  # more (token, expert) pairs than this (a prompt, a large batch) take grouped_mm's grouped product
@@ -85,9 +84,7 @@ def use_decode_experts(model: torch.nn.Module) -> bool:
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, plans: tuple[Plan, Plan] | None, which: int) -> torch.Tensor:
-    if plans is not None and plans[which].kernel(x.shape[0]) == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-    return F.linear(x, weight)
+    return product(x, weight, None, plans[which].kernel(x.shape[0]) if plans is not None else "blas")
 
 
 def plan_experts(modules, *, max_rows: int, store=None) -> dict[tuple, Plan]:
@@ -101,11 +98,8 @@ def plan_experts(modules, *, max_rows: int, store=None) -> dict[tuple, Plan]:
     weights: dict[tuple, list[torch.Tensor]] = {}
     for module in experts:
         for tensor in (module.gate_up_proj, module.down_proj):
-            shape = (tensor.shape[1], tensor.shape[2], str(tensor.dtype).removeprefix("torch."))
-            weights.setdefault(shape, []).extend(tensor.detach().unbind(0))
+            weights.setdefault(weight_shape(tensor[0]), []).extend(tensor.detach().unbind(0))
     plans = measured_plans(weights, max_rows=max_rows, store=store, plain_only=True)
     for module in experts:
-        module.meshnet_plans = tuple(
-            plans[(t.shape[1], t.shape[2], str(t.dtype).removeprefix("torch."))] for t in (module.gate_up_proj,
-                                                                                              module.down_proj))
+        module.meshnet_plans = (plans[weight_shape(module.gate_up_proj[0])], plans[weight_shape(module.down_proj[0])])
     return plans

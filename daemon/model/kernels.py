@@ -93,9 +93,14 @@ class PlannedLinear(nn.Linear):
     plan: Plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plan.kernel(x.numel() // x.shape[-1]) == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return product(x, self.weight, self.bias, self.plan.kernel(x.numel() // x.shape[-1]))
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed by ``kernel``: MKL through ``F.linear`` ("blas"), or oneDNN."""
+    if kernel == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def onednn_available() -> bool:
@@ -128,7 +133,7 @@ def plan_linears(modules: Iterable[nn.Module], *, max_rows: int, store: PlanStor
     for module in modules:
         if plannable(module) and id(module) not in seen:
             seen.add(id(module))
-            groups.setdefault(_shape(module.weight), []).append(module)
+            groups.setdefault(weight_shape(module.weight), []).append(module)
     plans = measured_plans({shape: [m.weight.detach() for m in group] for shape, group in groups.items()},
                            max_rows=max_rows, store=store)
     mappings = file_mappings()
@@ -233,15 +238,9 @@ def measure_plan(weights: list[torch.Tensor], rows: tuple[int, ...], *, plain_on
 
 def _time(weights: list[torch.Tensor], x: torch.Tensor, kernel: str) -> float:
     """Seconds per matrix of one pass of ``x`` by every weight in ``weights`` with ``kernel``."""
-    if kernel == "onednn":
-        def product(w):
-            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-    else:
-        def product(w):
-            return F.linear(x, w)
     started = time.perf_counter()
     for w in weights:
-        product(w)
+        product(x, w, None, kernel)
     return (time.perf_counter() - started) / len(weights)
 
 
@@ -255,7 +254,8 @@ def describe(plans: dict[tuple, Plan]) -> str:
     return "weight plans: " + "; ".join(parts)
 
 
-def _shape(weight: torch.Tensor) -> tuple:
+def weight_shape(weight: torch.Tensor) -> tuple:
+    """A matrix's plan key: ``(out, in, dtype name)``."""
     return (weight.shape[0], weight.shape[1], str(weight.dtype).removeprefix("torch."))
 
 
