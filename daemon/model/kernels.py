@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from daemon.host import cpu_name, file_mappings, release_file_pages, return_freed_memory
+from daemon.model import native
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ MARGIN = 0.97  # the transposed layout is kept only when its time is under this 
 # where it takes under this share of transformers' own product's time (large matrices on CPUs whose MKL
 # bfloat16 product runs at a fraction of the memory's speed), see docs/adr/0039-bfloat16-plans-where-they-pay.md
 ROUNDED_MARGIN = 0.8
-KERNELS = ("blas", "onednn")
+KERNELS = ("blas", "onednn", "gemv")
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,23 @@ class PlannedLinear(nn.Linear):
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed by ``kernel``: MKL through ``F.linear`` ("blas"), or oneDNN."""
+    """``F.linear(x, weight, bias)`` computed by ``kernel``: MKL through ``F.linear`` ("blas"), oneDNN, or this
+    machine's build of ``gemv.c`` (:mod:`daemon.model.native`; a weight kept ``[out, in]``, a few rows)."""
     if kernel == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if kernel == "gemv" and native.supports(x, weight) and native.library() is not None:
+        return native.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def available_kernels(layout: str) -> tuple[str, ...]:
+    """The kernels a plan measures for weights in ``layout`` ("plain" ``[out, in]`` or "transposed") here."""
+    kernels = ["blas"]
+    if onednn_available():
+        kernels.append("onednn")
+    if layout == "plain" and native.library() is not None:
+        kernels.append("gemv")
+    return tuple(kernels)
 
 
 def onednn_available() -> bool:
@@ -205,14 +219,14 @@ def measure_plan(weights: list[torch.Tensor], rows: tuple[int, ...], *, plain_on
     layouts = {"plain": [w.contiguous() for w in sample]}
     if not plain_only:
         layouts["transposed"] = [w.t().contiguous().t() for w in sample]
-    kernels = KERNELS if onednn_available() else KERNELS[:1]
+    kernels = {layout: available_kernels(layout) for layout in layouts}
     inputs = {r: torch.randn(r, sample[0].shape[1], dtype=sample[0].dtype) for r in rows}
     times: dict[tuple[str, int, str], list[float]] = {}
     with torch.inference_mode():
         for _ in range(ROUNDS):
             for layout, group in layouts.items():
                 for r in rows:
-                    for kernel in kernels:
+                    for kernel in kernels[layout]:
                         times.setdefault((layout, r, kernel), []).append(_time(group, inputs[r], kernel))
     # the fastest round: what the product costs when the host leaves it alone (the first round sets kernels up)
     fastest = {k: min(v[1:]) for k, v in times.items()}
@@ -222,7 +236,7 @@ def measure_plan(weights: list[torch.Tensor], rows: tuple[int, ...], *, plain_on
     margin = ROUNDED_MARGIN if rounded else MARGIN
 
     def best_kernel(layout: str, r: int) -> str:
-        kernel = min(kernels, key=lambda k: fastest[layout, r, k])
+        kernel = min(kernels[layout], key=lambda k: fastest[layout, r, k])
         if rounded and kernel != "blas" and fastest[layout, r, kernel] >= margin * fastest["plain", r, "blas"]:
             return "blas"
         return kernel
@@ -269,7 +283,7 @@ class PlanStore:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.section = f"{cpu_name()} | torch {torch.__version__}"
+        self.section = f"{cpu_name()} | torch {torch.__version__} | native {native.signature()}"
         self._read()
 
     @contextlib.contextmanager

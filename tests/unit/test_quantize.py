@@ -15,6 +15,7 @@ from torch import nn
 from daemon.api import Sampling
 from daemon.errors import ModelUnavailable
 from daemon.kvstore import SessionCacheStore
+from daemon.model import native
 from daemon.model.quantize import METHODS, check_quantization, parameter_bytes, quantize_layers
 from daemon.model.shard import ModelShard
 
@@ -141,6 +142,29 @@ def test_int8_linear_computes_with_its_int8_weights(method):
 
     assert relative_error(got, int8_out) < DEQUANTIZED_TOLERANCE[method]
     assert relative_error(got, float_out) > 1e-3  # really quantized
+
+
+@pytest.mark.skipif(native.library() is None, reason="no C compiler here: every product runs PyTorch's kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_multiplies_one_row_natively_and_more_with_pytorchs_kernel(dtype):
+    """A decode step's single row: the native kernel, with float32 inputs and sums (no bfloat16 rounding of the
+    inputs), as exact as the int8 weights allow; two rows or more: PyTorch's int8-weight kernel, bit for bit."""
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(256, 384)).to(dtype)
+    quantize_layers([layer], "int8")
+    linear = layer[0]
+    weights = linear.weight_int8.double() * linear.scale.double()[:, None]
+    with torch.inference_mode():
+        one = torch.randn(1, 1, 256).to(dtype)
+        exact = nn.functional.linear(one.double(), weights, linear.bias.double())
+        got = layer(one)
+        assert got.dtype == dtype and torch.equal(got, native.gemv_int8(one, linear.weight_int8, linear.scale,
+                                                                        linear.bias))
+        bound = 1e-6 if dtype == torch.float32 else 2 ** -8
+        assert (got.double() - exact).abs().max() <= bound * exact.abs().max()
+        rows = torch.randn(1, 3, 256).to(dtype)
+        kernel = torch._weight_int8pack_mm(rows[0].to(torch.bfloat16), linear.weight_int8, linear.scale)
+        assert torch.equal(layer(rows), (kernel.to(dtype) + linear.bias).unsqueeze(0))
 
 
 def test_unknown_method_is_refused_in_one_line(default_model):

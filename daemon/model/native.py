@@ -1,0 +1,183 @@
+"""Products of a few rows by a weight matrix at the memory's speed: ``gemv.c``, built on this machine.
+
+A decode step reads every weight once, so it can go no faster than the memory streams them. On a 2-core AMD
+EPYC (Zen 4, 31 GB/s read on two threads) torch 2.13's kernels for one row stream far slower than that: MKL's
+float32 product of one row by the built-in model's 1536x576 matrix 9.9 GB/s (it ran on one thread whatever
+the thread count), oneDNN's 18.6 GB/s, PyTorch's int8-weight kernel 8-10 GB/s; the dot products of
+``gemv.c``, compiled for the CPU it runs on, 25-33 GB/s (``scripts/kernel_plans.py`` prints what each takes
+here). It is one more kernel a weight plan measures (``"gemv"`` in :mod:`daemon.model.kernels`), and int8
+weights' decode products run on it where it is faster than PyTorch's (:mod:`daemon.model.quantize`).
+
+The library is compiled once per machine into the user cache (about a second with the system's C compiler,
+``$CC`` or ``cc``) and loaded with ctypes; its threads are torch's own OpenMP team. Without a compiler, or
+with ``MESHNET_NATIVE_KERNELS=off``, it is not built and plans choose among torch's kernels alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shlex
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from daemon.host import cpu_name
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gemv.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+ENV = "MESHNET_NATIVE_KERNELS"  # "off": never build or use the library
+MAX_ROWS = 16  # longer products (prompts) read each weight row once per row: a blocked GEMM does better
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+
+
+class Library:
+    """The loaded ``gemv.c``: its two entry points, bound with their argument types."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.key = path.stem
+        lib = ctypes.CDLL(str(path))
+        self.gemv = lib.meshnet_gemv
+        self.gemv.argtypes = [_P, _P, _P, _P, _L, _L, _L, _I, _P]
+        self.gemv.restype = None
+        self.gemv_int8 = lib.meshnet_gemv_int8
+        self.gemv_int8.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
+        self.gemv_int8.restype = None
+
+
+@functools.cache
+def library() -> Library | None:
+    """This machine's build of ``gemv.c``, compiled on first use; None where it cannot be (said once, in the log)."""
+    if os.environ.get(ENV, "on").strip().lower() in ("off", "0", "false", "no"):
+        return None
+    try:
+        path = _build()
+        lib = Library(path)
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        log.warning("native kernels unavailable (%s); weight plans choose among torch's kernels", exc)
+        return None
+    runtimes = _openmp_runtimes()
+    if len(runtimes) > 1:  # two thread teams would fight over the cores
+        log.warning("native kernels not used: they loaded a second OpenMP runtime (%s)", ", ".join(sorted(runtimes)))
+        return None
+    return lib
+
+
+def signature() -> str:
+    """What plans measured here may have chosen from: the library's build key, or ``none``."""
+    lib = library()
+    return lib.key if lib is not None else "none"
+
+
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC") or "cc")
+
+
+def _build() -> Path:
+    """The compiled library in the cache, built (atomically: several daemons may start at once) when missing."""
+    from daemon.model.source import cache_dir
+
+    compiler = _compiler()
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode(),
+                 torch.__version__.encode()):
+        digest.update(part)
+    folder = cache_dir().parent / "native"
+    path = folder / f"gemv-{digest.hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    command = [*compiler, *FLAGS, str(SOURCE), "-o", str(temporary)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        temporary.unlink(missing_ok=True)
+        first = (done.stderr.strip().splitlines() or ["no output"])[0]
+        raise ValueError(f"{' '.join(command[:1])} failed: {first}")
+    temporary.replace(path)
+    log.info("built native kernels for %s: %s", cpu_name(), path)
+    return path
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (what ``-march=native`` compiles for), or its name where the kernel does not say."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return cpu_name()
+
+
+def _openmp_runtimes() -> set[str]:
+    """The OpenMP runtime libraries mapped into this process (Linux; elsewhere none are seen)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            names = {line.rsplit("/", 1)[-1].strip() for line in maps if "/lib" in line}
+    except OSError:
+        return set()
+    return {name for name in names if name.startswith(("libgomp", "libiomp", "libomp"))}
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``gemv`` computes ``x`` by ``weight`` here: CPU tensors of one dtype it knows, the weight kept
+    ``[out, in]`` in contiguous rows, and at most :data:`MAX_ROWS` rows."""
+    return (x.dtype == weight.dtype and weight.dtype in _DTYPES and weight.device.type == "cpu"
+            and weight.is_contiguous() and x.numel() <= MAX_ROWS * weight.shape[1])
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by ``gemv.c`` (the caller has checked :func:`supports` and :func:`library`)."""
+    lib = library()
+    out_features, in_features = weight.shape
+    rows = x.numel() // in_features
+    x = x.contiguous()
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        bias = bias.to(x.dtype).contiguous()
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    scratch = _scratch(rows * in_features) if x.dtype != torch.float32 else None
+    lib.gemv(weight.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
+             rows, out_features, in_features, _DTYPES[x.dtype], scratch)
+    return y
+
+
+def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """``x`` by int8 ``weight [out, in]`` whose row r stands for ``weight[r] * scale[r]`` (``scale`` bfloat16), in
+    ``x``'s dtype (float32 or bfloat16), at most :data:`MAX_ROWS` rows."""
+    lib = library()
+    out_features, in_features = weight.shape
+    rows = x.numel() // in_features
+    if (x.dtype not in _DTYPES or weight.dtype != torch.int8 or scale.dtype != torch.bfloat16
+            or not weight.is_contiguous() or not scale.is_contiguous() or rows > MAX_ROWS):
+        raise ValueError("gemv_int8 takes float32 or bfloat16 rows by a contiguous int8 matrix with bfloat16 scales")
+    x = x.contiguous()
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        bias = bias.to(x.dtype).contiguous()
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    scratch = _scratch(rows * in_features) if x.dtype != torch.float32 else None
+    lib.gemv_int8(weight.data_ptr(), scale.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None,
+                  y.data_ptr(), rows, out_features, in_features, _DTYPES[x.dtype], scratch)
+    return y
+
+
+_scratch_buffers = threading.local()  # per thread: a float32 copy of bfloat16 inputs, grown as needed
+
+
+def _scratch(count: int) -> int:
+    buffer = getattr(_scratch_buffers, "buffer", None)
+    if buffer is None or buffer.numel() < count:
+        buffer = _scratch_buffers.buffer = torch.empty(max(count, 1 << 14), dtype=torch.float32)
+    return buffer.data_ptr()

@@ -1,0 +1,132 @@
+"""The native products (``daemon/model/gemv.c`` through ``daemon.model.native``), built on this machine.
+
+Each output is a dot product summed in float32 in a fixed order, so results stay within float rounding of
+``F.linear``'s, do not depend on the thread count, and a machine without a C compiler plans without them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from daemon.model import kernels, native
+
+needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler here: the fallback is tested below")
+
+
+@pytest.fixture
+def rebuilt(tmp_path, monkeypatch):
+    """``native.library()`` looked up afresh, building into an empty cache."""
+    monkeypatch.setattr("daemon.model.source.cache_dir", lambda: tmp_path / "models")
+    native.library.cache_clear()
+    yield tmp_path / "native"
+    native.library.cache_clear()
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(160, 96), (7, 33), (1536, 576), (3, 1000)])  # 33, 1000: not a multiple of 32
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_computes_f_linears_products_within_rounding(dtype, shape, bias):
+    torch.manual_seed(0)
+    out_features, in_features = shape
+    weight = torch.randn(out_features, in_features).to(dtype)
+    b = torch.randn(out_features).to(dtype) if bias else None
+    for rows in (1, 2, 5, 16):
+        x = torch.randn(1, rows, in_features).to(dtype)
+        assert native.supports(x, weight)
+        got = native.gemv(x, weight, b)
+        exact = F.linear(x.double(), weight.double(), b.double() if bias else None)  # the true products
+        assert got.shape == (1, rows, out_features) and got.dtype == dtype
+        scale = exact.abs().max()
+        if dtype == torch.float32:
+            assert (got.double() - exact).abs().max() <= 1e-6 * scale
+        else:  # one rounding of each output to bfloat16 (8 bits of mantissa), as torch's own product
+            assert (got.double() - exact).abs().max() <= 2 ** -8 * exact.abs().max()
+            assert (got.double() - exact).abs().max() <= 2 * (F.linear(x, weight, b).double() - exact).abs().max()
+
+
+@needs_library
+def test_a_product_does_not_depend_on_the_thread_count():
+    torch.manual_seed(1)
+    weight, x = torch.randn(1000, 300), torch.randn(3, 300)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(native.gemv(x, weight))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_weights_multiply_as_their_scaled_values(dtype):
+    torch.manual_seed(2)
+    q = torch.randint(-127, 128, (300, 200), dtype=torch.int8)
+    scale = (torch.rand(300) / 100).to(torch.bfloat16)
+    bias = torch.randn(300)
+    x = torch.randn(4, 200).to(dtype)
+    exact = F.linear(x.double(), q.double() * scale.double()[:, None], bias.double())
+    got = native.gemv_int8(x, q, scale, bias)
+    assert got.dtype == dtype and got.shape == (4, 300)
+    bound = 1e-6 if dtype == torch.float32 else 2 ** -8
+    assert (got.double() - exact).abs().max() <= bound * exact.abs().max()
+    with pytest.raises(ValueError, match="int8"):
+        native.gemv_int8(x, q.t(), scale)  # not contiguous rows
+
+
+@needs_library
+def test_what_it_does_not_take_is_not_offered():
+    weight = torch.randn(64, 32)
+    assert native.supports(torch.randn(1, 32), weight)
+    assert not native.supports(torch.randn(1, 32), weight.t().contiguous().t())  # the transposed layout
+    assert not native.supports(torch.randn(1, 32, dtype=torch.bfloat16), weight)  # mixed dtypes
+    assert not native.supports(torch.randn(native.MAX_ROWS + 1, 32), weight)  # a prompt
+    assert not native.supports(torch.randn(1, 32).half(), weight.half())
+    assert "gemv" in kernels.available_kernels("plain") and "gemv" not in kernels.available_kernels("transposed")
+
+
+@needs_library
+def test_it_runs_on_torchs_own_openmp_threads():
+    assert len(native._openmp_runtimes()) <= 1
+
+
+def test_without_a_compiler_plans_choose_among_torchs_kernels(rebuilt, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger="daemon.model.native"):
+        assert native.library() is None
+    assert "native kernels unavailable" in caplog.text
+    assert "gemv" not in kernels.available_kernels("plain")
+    assert native.signature() == "none"
+    x, weight = torch.randn(2, 32), torch.randn(64, 32)
+    assert torch.equal(kernels.product(x, weight, None, "gemv"), F.linear(x, weight))  # a stored plan's "gemv"
+
+
+def test_a_source_that_does_not_compile_is_said_in_one_line(rebuilt, monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "gemv.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    with caplog.at_level(logging.WARNING, logger="daemon.model.native"):
+        assert native.library() is None
+    assert "failed" in caplog.text and not list(rebuilt.glob("*.tmp"))  # no half-written library left behind
+
+
+def test_turned_off_it_is_never_built(rebuilt, monkeypatch):
+    monkeypatch.setenv(native.ENV, "off")
+    assert native.library() is None
+    assert not rebuilt.exists()
+
+
+@needs_library
+def test_it_is_built_once_per_machine(rebuilt):
+    first = native.library()
+    assert first is not None and first.path.parent == rebuilt
+    built = first.path.stat().st_mtime_ns
+    native.library.cache_clear()
+    assert native.library().path == first.path and first.path.stat().st_mtime_ns == built
