@@ -110,14 +110,18 @@ class FastDecoder:
     (``DecoderLayers.forget_fast_decoder``).
     """
 
-    def __init__(self, layers: Sequence[nn.Module], config, layer_types: Sequence[str], start: int, end: int) -> None:
+    def __init__(self, layers: Sequence[nn.Module], config, layer_types: Sequence[str], start: int, end: int, *,
+                 native_steps: bool = False) -> None:
         self.start, self.end = start, end
         self._bound: dict[int, _Layer] = {}  # every hosted layer, or none: a step runs all of them or none here
+        self._native: NativeSteps | None = None
         if getattr(config, "_attn_implementation", None) != "sdpa":
             return
         bound = {i: _bind(layers[i], config) if layer_types[i] == "full_attention" else None for i in range(start, end)}
         if all(b is not None for b in bound.values()):
             self._bound = bound
+            if native_steps:
+                self._native = NativeSteps.bind(layers, config, start, end)
 
     def fits(self, start_layer: int) -> bool:
         return bool(self._bound) and start_layer in self._bound
@@ -136,6 +140,10 @@ class FastDecoder:
             start_layer: int) -> torch.Tensor:
         """Layers ``[start_layer, end)`` over ``hidden [1, 1, hidden]`` with rotary ``(cos, sin)`` for its
         position, writing each layer's key and value into ``cache`` (None: the position attends to itself)."""
+        if self._native is not None and cache is not None and hidden.dtype == torch.float32:
+            out = self._native.run(hidden, position_embeddings, cache.layers, start_layer, self.end)
+            if out is not None:
+                return out
         cos, sin = position_embeddings  # [1, 1, head_dim]
         half = cos.shape[-1] // 2
         cos = cos.unsqueeze(2)  # [1, 1, 1, head_dim]: broadcast over heads, as apply_rotary_pos_emb's unsqueeze
@@ -162,3 +170,100 @@ class FastDecoder:
             x = _rms_norm(hidden, p.norm_post)
             hidden = residual + p.down(p.act(p.gate(x)) * p.up(x))
         return hidden
+
+
+class NativeSteps:
+    """The same one-position step, each layer in one call of the native library (``meshnet_llama_layer`` in
+    ``gemv.c``): float32 activations, weights in float32 or int8, caches that grow in place.
+
+    What it saves is the per-op cost between the products: about 35 torch ops a layer at a few microseconds
+    each, over 1000 a step for the built-in model. Its sums run in another order than torch's (RMSNorm's mean,
+    the products, the softmax), so its outputs are within float32 rounding of the layers' own, not bit for bit:
+    a node runs it only where its weights are planned (``--tune-kernels on``), as it runs another kernel's
+    products (``tests/unit/test_decode.py`` holds it to the layers' own forward and the built-in model's tokens
+    to ``generate``'s).
+    """
+
+    def __init__(self, lib, layers: dict[int, object], keep: list[torch.Tensor], sizes: tuple[int, ...]) -> None:
+        self._lib, self._layers, self._keep = lib, layers, keep  # keep: tensors the structs point into
+        self._sizes = sizes  # hidden, heads, kv heads, head dim, intermediate
+        self._work = torch.empty(0)
+
+    @classmethod
+    def bind(cls, layers: Sequence[nn.Module], config, start: int, end: int) -> NativeSteps | None:
+        """The layers ``[start, end)`` bound for native steps, or None where one of them cannot run there (another
+        activation, weights of another kind or layout, bfloat16 norms) or the library is not built here."""
+        from daemon.model import native
+
+        lib = native.library()
+        if lib is None or getattr(config, "hidden_act", None) != "silu":
+            return None
+        keep: list[torch.Tensor] = []
+        bound: dict[int, native.Layer] = {}
+        sizes: set[tuple[int, ...]] = set()
+        for i in range(start, end):
+            layer = layers[i]
+            attn, mlp = layer.self_attn, layer.mlp
+            matrices = [_native_matrix(m, keep) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                            mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(m is None for m in matrices) or any(n.weight.dtype != torch.float32 for n in norms):
+                return None
+            keep.extend(n.weight.detach() for n in norms)
+            heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
+            shape = (matrices[4].cols, heads, kv_heads, head_dim, matrices[4].rows)
+            sizes.add(shape)
+            bound[i] = native.Layer(*matrices, norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
+                                    norms[0].variance_epsilon, norms[1].variance_epsilon, attn.scaling, *shape)
+        if len(sizes) != 1:
+            return None
+        return cls(lib, bound, keep, sizes.pop())
+
+    def run(self, hidden: torch.Tensor, position_embeddings, cache_layers, start_layer: int,
+            end: int) -> torch.Tensor | None:
+        """Layers ``[start_layer, end)`` over ``hidden [1, 1, hidden]``, keys and values written into the caches;
+        None (nothing done) where a layer's cache holds nothing yet to grow from."""
+        import ctypes
+
+        rooms = [cache_layers[i].reserve(1) for i in range(start_layer, end)]
+        if any(room is None for room in rooms):  # nothing reserved past a layer whose cache is empty
+            for i, room in zip(range(start_layer, end), rooms):
+                if room is not None:
+                    cache_layers[i].crop(-1)
+            return None
+        cos, sin = (t.reshape(-1).contiguous() for t in position_embeddings)
+        hidden_size, heads, kv_heads, head_dim, inter = self._sizes
+        position = cache_layers[start_layer].get_seq_length() - 1  # the new position's index
+        work = hidden_size + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * inter + heads * (position + 1)
+        if self._work.numel() < work:
+            self._work = torch.empty(work + 1024 * heads)
+        out = hidden.reshape(-1).clone()  # the layers write into it, layer after layer
+        lib, work_ptr = self._lib, self._work.data_ptr()
+        for i, (keys, values) in zip(range(start_layer, end), rooms):
+            lib.llama_layer(ctypes.byref(self._layers[i]), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                            keys.data_ptr(), values.data_ptr(), keys.shape[-2], position, work_ptr)
+        return out.view(1, 1, hidden_size)
+
+
+def _native_matrix(module: nn.Module, keep: list[torch.Tensor]):
+    """``module``'s weight as a ``struct matrix``, or None where the native step cannot read it."""
+    from daemon.model import native
+    from daemon.model.quantize import Int8WeightLinear
+
+    bias = getattr(module, "bias", None)
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    if type(module) is Int8WeightLinear:
+        weight, scale = module.weight_int8.detach(), module.scale.detach()
+        if not (weight.is_contiguous() and scale.is_contiguous()):
+            return None
+    elif isinstance(module, nn.Linear) and type(module.weight.data) is torch.Tensor:
+        weight, scale = module.weight.detach(), None
+        if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.device.type != "cpu":
+            return None
+    else:
+        return None
+    keep.extend(t for t in (weight, scale, bias) if t is not None)
+    return native.Matrix(weight.data_ptr(), scale.data_ptr() if scale is not None else None,
+                         bias.data_ptr() if bias is not None else None, weight.shape[0], weight.shape[1],
+                         native.MATRIX_KINDS[weight.dtype])

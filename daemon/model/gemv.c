@@ -13,6 +13,7 @@
  * OpenMP runtime torch has already loaded, so its threads are torch's.
  */
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #define LANES 32
@@ -103,4 +104,120 @@ void meshnet_gemv_int8(const int8_t *w, const uint16_t *scale, const void *x, co
             store(y, m * out + r, v, dtype);
         }
     }
+}
+
+/* ---- one decode position through a Llama-family layer (daemon/model/decode.py's NativeDecoder) ---------------
+ *
+ * The arithmetic of LlamaDecoderLayer for one new position of one sequence, in float32: RMSNorm, the q/k/v
+ * products (with biases where the layer has them), rotary embedding of queries and keys, the key and value
+ * written into the cache's buffers at `pos`, attention of each query head over positions 0..pos of its key/value
+ * head, the output product and residual, RMSNorm, the gated SiLU MLP and residual. Each product is a weight
+ * matrix in one of the kinds below; every step of it runs in this one call, the products and the heads on the
+ * OpenMP threads. */
+
+enum { W_F32 = 0, W_INT8 = 2 };
+
+struct matrix {
+    const void *w;          /* [rows, cols] float32 or int8 */
+    const uint16_t *scale;  /* int8: one bfloat16 scale per row */
+    const float *bias;      /* [rows] or NULL */
+    long rows, cols;
+    int kind;
+};
+
+struct layer {
+    struct matrix q, k, v, o, gate, up, down;
+    const float *norm_in, *norm_post;
+    float eps_in, eps_post, scaling;
+    long hidden, heads, kv_heads, head_dim, inter;
+};
+
+static inline float row_dot(const struct matrix *m, long r, const float *x) {
+    float v = m->kind == W_F32 ? dot_f32((const float *)m->w + r * m->cols, x, m->cols)
+                               : dot_int8((const int8_t *)m->w + r * m->cols, x, m->cols) * from_bf16(m->scale[r]);
+    return m->bias ? v + m->bias[r] : v;
+}
+
+/* y_i = m_i x for up to three matrices sharing the input x, their rows shared out among the threads together */
+static void products(const struct matrix *const *ms, float *const *ys, int count, const float *x) {
+    long total = 0;
+    for (int i = 0; i < count; i++) total += ms[i]->rows;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < total; t++) {
+        long r = t;
+        int i = 0;
+        while (r >= ms[i]->rows) r -= ms[i++]->rows;
+        ys[i][r] = row_dot(ms[i], r, x);
+    }
+}
+
+static void rms_norm(const float *x, const float *weight, float eps, float *out, long n) {
+    float acc[LANES] = {0};
+    long k = 0;
+    for (; k + LANES <= n; k += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += x[k + j] * x[k + j];
+    float tail = 0.f;
+    for (; k < n; k++) tail += x[k] * x[k];
+    float inv = 1.0f / sqrtf((reduce(acc) + tail) / (float)n + eps);
+    for (long i = 0; i < n; i++) out[i] = weight[i] * (x[i] * inv);
+}
+
+/* x * cos + rotate_half(x) * sin for one head, rotate_half(x) = cat(-x2, x1) */
+static void rotate(float *x, const float *cos, const float *sin, long d) {
+    long half = d / 2;
+    for (long i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* `hidden` [L->hidden] in place; `keys`/`values` [kv_heads, capacity, head_dim]; `work` holds
+ * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * inter + heads * (pos + 1) floats */
+void meshnet_llama_layer(const struct layer *L, float *hidden, const float *cos, const float *sin, float *keys,
+                         float *values, long capacity, long pos, float *work) {
+    const long H = L->hidden, D = L->head_dim, heads = L->heads, kvh = L->kv_heads, I = L->inter;
+    float *x = work, *q = x + H, *k = q + heads * D, *v = k + kvh * D, *att = v + kvh * D, *g = att + heads * D;
+    float *u = g + I, *scores = u + I;
+    const long n = pos + 1, group = heads / kvh;
+
+    rms_norm(hidden, L->norm_in, L->eps_in, x, H);
+    const struct matrix *qkv[3] = {&L->q, &L->k, &L->v};
+    float *qkv_out[3] = {q, k, v};
+    products(qkv, qkv_out, 3, x);
+    for (long h = 0; h < heads; h++) rotate(q + h * D, cos, sin, D);
+    for (long h = 0; h < kvh; h++) {
+        rotate(k + h * D, cos, sin, D);
+        memcpy(keys + (h * capacity + pos) * D, k + h * D, D * sizeof(float));
+        memcpy(values + (h * capacity + pos) * D, v + h * D, D * sizeof(float));
+    }
+#pragma omp parallel for schedule(static)
+    for (long h = 0; h < heads; h++) {
+        const float *qh = q + h * D, *K = keys + (h / group) * capacity * D, *V = values + (h / group) * capacity * D;
+        float *s = scores + h * n, *out = att + h * D, top = -INFINITY, sum = 0.f;
+        for (long t = 0; t < n; t++) {
+            s[t] = dot_f32(K + t * D, qh, D) * L->scaling;
+            if (s[t] > top) top = s[t];
+        }
+        for (long t = 0; t < n; t++) sum += (s[t] = expf(s[t] - top));
+        for (long j = 0; j < D; j++) out[j] = 0.f;
+        for (long t = 0; t < n; t++) {
+            const float p = s[t] / sum, *vt = V + t * D;
+            for (long j = 0; j < D; j++) out[j] += p * vt[j];
+        }
+    }
+    const struct matrix *o[1] = {&L->o};
+    float *o_out[1] = {x};
+    products(o, o_out, 1, att);
+    for (long i = 0; i < H; i++) hidden[i] += x[i];
+
+    rms_norm(hidden, L->norm_post, L->eps_post, x, H);
+    const struct matrix *gu[2] = {&L->gate, &L->up};
+    float *gu_out[2] = {g, u};
+    products(gu, gu_out, 2, x);
+    for (long i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    const struct matrix *down[1] = {&L->down};
+    float *down_out[1] = {x};
+    products(down, down_out, 1, g);
+    for (long i = 0; i < H; i++) hidden[i] += x[i];
 }

@@ -49,6 +49,22 @@ class GrowingLayer(DynamicLayer):
         self.values = self._value_buffer.narrow(-2, 0, needed)
         return self.keys, self.values
 
+    def reserve(self, added: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Room for ``added`` positions after those held, which the caller writes into the returned key and value
+        buffers (``[batch, kv_heads, capacity, head_dim]``) itself; ``keys``/``values`` already view them.
+        None while nothing is held (a first fill goes through :meth:`update`)."""
+        if not self.is_initialized or self._key_buffer is None:
+            return None
+        held = self.get_seq_length()
+        needed = held + added
+        if needed > self._key_buffer.shape[-2]:
+            capacity = needed + max(MIN_GROWTH, needed // 2)
+            self._key_buffer = self._grown(self.keys, self.keys, held, capacity)
+            self._value_buffer = self._grown(self.values, self.values, held, capacity)
+        self.keys = self._key_buffer.narrow(-2, 0, needed)
+        self.values = self._value_buffer.narrow(-2, 0, needed)
+        return self._key_buffer, self._value_buffer
+
     def held_bytes(self) -> int:
         """Bytes of its buffers (the keys and values it hands out are views of them)."""
         keys, values = getattr(self, "_key_buffer", None), getattr(self, "_value_buffer", None)

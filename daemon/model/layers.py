@@ -59,6 +59,9 @@ class DecoderLayers:
         self._layers_share_kv = "shared_kv_states" in inspect.signature(type(self._layers[0]).forward).parameters
         self._attention_configs = attention_configs(self._layers[start:end])  # switched for batched steps
         self._fast: FastDecoder | None = None  # bound at the first one-position step, after loading and plans
+        # one-position steps of Llama-family layers in float32 run natively (decode.NativeSteps): set where the
+        # node plans its kernels, as another kernel's arithmetic is within rounding of transformers' own
+        self.native_steps = False
 
     def new_cache(self):
         """An empty cache for every layer of the model (the hosted ones fill), as the model's own forward makes it."""
@@ -105,7 +108,8 @@ class DecoderLayers:
     def fast_decoder(self) -> FastDecoder:
         """The one-position path through these layers (:mod:`daemon.model.decode`), bound on first use."""
         if self._fast is None:
-            self._fast = FastDecoder(self._layers, self.config, self.layer_types, self.start, self.end)
+            self._fast = FastDecoder(self._layers, self.config, self.layer_types, self.start, self.end,
+                                     native_steps=self.native_steps)
         return self._fast
 
     def forget_fast_decoder(self) -> None:

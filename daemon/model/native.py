@@ -33,14 +33,33 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)
 ENV = "MESHNET_NATIVE_KERNELS"  # "off": never build or use the library
 MAX_ROWS = 16  # longer products (prompts) read each weight row once per row: a blocked GEMM does better
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
 
+class Matrix(ctypes.Structure):
+    """``struct matrix`` of ``gemv.c``: a weight matrix of one of the kinds :data:`MATRIX_KINDS` names."""
+
+    _fields_ = [("w", _P), ("scale", _P), ("bias", _P), ("rows", _L), ("cols", _L), ("kind", _I)]
+
+
+MATRIX_KINDS = {torch.float32: 0, torch.int8: 2}
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class Layer(ctypes.Structure):
+    """``struct layer`` of ``gemv.c``: what a Llama-family layer's native decode step reads."""
+
+    _fields_ = [*((name, Matrix) for name in PROJECTIONS), ("norm_in", _P), ("norm_post", _P),
+                ("eps_in", ctypes.c_float), ("eps_post", ctypes.c_float), ("scaling", ctypes.c_float),
+                ("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("inter", _L)]
+
+
 class Library:
-    """The loaded ``gemv.c``: its two entry points, bound with their argument types."""
+    """The loaded ``gemv.c``: its entry points, bound with their argument types."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -52,6 +71,9 @@ class Library:
         self.gemv_int8 = lib.meshnet_gemv_int8
         self.gemv_int8.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
         self.gemv_int8.restype = None
+        self.llama_layer = lib.meshnet_llama_layer
+        self.llama_layer.argtypes = [ctypes.POINTER(Layer), _P, _P, _P, _P, _P, _L, _L, _P]
+        self.llama_layer.restype = None
 
 
 @functools.cache
@@ -89,7 +111,7 @@ def _build() -> Path:
     compiler = _compiler()
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode(),
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(), version.encode(), _cpu_flags().encode(),
                  torch.__version__.encode()):
         digest.update(part)
     folder = cache_dir().parent / "native"
@@ -98,7 +120,7 @@ def _build() -> Path:
         return path
     folder.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    command = [*compiler, *FLAGS, str(SOURCE), "-o", str(temporary)]
+    command = [*compiler, *FLAGS, str(SOURCE), "-o", str(temporary), *LIBS]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         temporary.unlink(missing_ok=True)

@@ -193,6 +193,7 @@ class ModelShard(DecoderLayers):
         expert_plans = plan_experts(modules, max_rows=max_rows, store=store)  # MoE experts: kernels, no new layout
         if progress is not None and expert_plans:
             progress("expert " + describe(expert_plans))
+        self.native_steps = True  # where the layers and the library allow (daemon.model.decode.NativeSteps)
         self.forget_fast_decoder()
         return plans
 

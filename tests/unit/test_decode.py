@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from daemon.kvstore import SessionCacheStore
-from daemon.model import decode
+from daemon.model import decode, native
 from daemon.model.shard import ModelShard
 
 PROMPT = [5, 17, 300, 4021, 77, 912, 13, 2048, 600]
@@ -94,3 +94,84 @@ def test_quantized_layers_take_the_path_bitwise(tiny_model, monkeypatch, method)
     assert (slow_runs, fast_runs) == (0, STEPS)
     for got, want in zip(fast, slow):
         assert torch.equal(got, want)
+
+
+def _native_decode(shard: ModelShard, start_layer: int, monkeypatch) -> tuple[list[torch.Tensor], int, object]:
+    """As ``_decode`` with the path on, counting the steps the native library took; and the cache it filled."""
+    taken = []
+    real_run = decode.NativeSteps.run
+
+    def counted(self, *args, **kwargs):
+        out = real_run(self, *args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode.NativeSteps, "run", counted)
+    outs, _ = _decode(shard, start_layer, fast=True, monkeypatch=monkeypatch)
+    monkeypatch.undo()
+    return outs, sum(taken)
+
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="no C compiler here: no native steps to take")
+
+
+@needs_native
+@pytest.mark.parametrize("quantize", [None, "int8"], ids=["fp32", "int8"])
+@pytest.mark.parametrize("arch, start", [("llama", 0), ("llama", 2), ("qwen2", 0)])
+def test_native_steps_are_the_layers_own_forward_within_float_rounding(tiny_model, monkeypatch, arch, start,
+                                                                       quantize):
+    """The whole layer in one native call (RMSNorm, q/k/v with Qwen2's biases, rotary, the cache write, attention,
+    the gated MLP), float32 or int8 weights: every step's hidden states and logits within float32 rounding of the
+    layers' own forward through the same weights, and the caches grown past their first capacity alike."""
+    end = 2 if arch == "qwen2" else 4
+    shard = ModelShard(tiny_model(arch), start, end, head=start == 0, sessions=SessionCacheStore(), quantize=quantize)
+    want, _ = _decode(shard, start, fast=False, monkeypatch=monkeypatch)
+    shard.native_steps = True
+    shard.forget_fast_decoder()
+    got, native_runs = _native_decode(shard, start, monkeypatch)
+    assert native_runs == STEPS
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert (g - w).abs().max() <= 1e-5 * w.abs().max()
+
+
+@needs_native
+def test_native_steps_write_the_same_keys_and_values(tiny_model):
+    shards = [ModelShard(tiny_model("llama"), 0, 4, sessions=SessionCacheStore()) for _ in range(2)]
+    shards[1].native_steps = True
+    shards[1].forget_fast_decoder()
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randn(1, 5, shards[0].config.hidden_size, generator=generator)
+    caches = [s.new_cache() for s in shards]
+    for s, c in zip(shards, caches):
+        s.run_layers(prompt, start_layer=0, past_len=0, cache=c)
+    for step in range(40):  # past the first growth of every buffer
+        x = torch.randn(1, 1, shards[0].config.hidden_size, generator=generator)
+        for s, c in zip(shards, caches):
+            s.run_layers(x, start_layer=0, past_len=5 + step, cache=c)
+    assert shards[1].fast_decoder()._native is not None
+    for want, got in zip(caches[0].layers[:4], caches[1].layers[:4]):
+        assert got.get_seq_length() == want.get_seq_length() == 45
+        for a, b in ((got.keys, want.keys), (got.values, want.values)):
+            assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+@needs_native
+def test_native_steps_are_taken_only_where_they_apply(tiny_model, monkeypatch):
+    """Off unless the node plans its kernels; never for bfloat16 activations; a first position (nothing cached to
+    grow from) goes through the layers' own path and leaves every cache as it was."""
+    folder = tiny_model("llama")
+    assert ModelShard(folder, 0, 4, sessions=SessionCacheStore()).fast_decoder()._native is None  # not planned
+    planned = ModelShard(folder, 0, 4, sessions=SessionCacheStore())
+    planned.plan_kernels(max_rows=1)
+    assert planned.native_steps and planned.fast_decoder()._native is not None
+    bf16 = ModelShard(folder, 0, 4, sessions=SessionCacheStore(), dtype=torch.bfloat16)
+    bf16.native_steps = True
+    bf16.forget_fast_decoder()
+    assert bf16.fast_decoder()._native is None  # bfloat16 norms and weights: its own arithmetic
+    cache = planned.new_cache()
+    x = torch.randn(1, 1, planned.config.hidden_size)
+    assert planned.fast_decoder()._native.run(x, (torch.ones(1, 1, 16), torch.zeros(1, 1, 16)), cache.layers,
+                                              0, 4) is None
+    assert all(layer.get_seq_length() == 0 for layer in cache.layers[:4])
