@@ -39,8 +39,9 @@ from daemon.host import host_cores
 
 SETUPS = ("generate", "one", "llama.cpp", "cached", "stateless", "three", "multiturn", "shared-prefix", "real-size")
 PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8")
-# a precision's compute dtype and quantization: int8 weights run in bfloat16 (daemon.model.quantize)
-QUANTIZED = {"int8": ("bfloat16", "int8")}
+# a precision's compute dtype and quantization: int8 weights with float32 activations, which a CPU node's native
+# decode steps take (daemon.model.decode.NativeSteps; with bfloat16 activations they run torch's ops)
+QUANTIZED = {"int8": ("float32", "int8")}
 
 
 def fastest(times: int, run, *args) -> dict:
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape-tokens", type=int, default=32, help="new tokens per real-size run (default 32)")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["auto"],
                         help="compute dtypes to measure, each against generate in the same dtype (default auto: "
-                        "what meshd runs in on this machine); int8: int8 weights in bfloat16, against generate "
+                        "what meshd runs in on this machine); int8: int8 weights in float32, against generate "
                         "with the same quantization")
     parser.add_argument("--device", default="cpu", help="where every node and the reference compute: cpu, cuda, "
                         "cuda:N or mps (default cpu)")
