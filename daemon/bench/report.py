@@ -55,7 +55,7 @@ def _read_lines(path: str) -> list[str]:
         return []
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 2}  # on the wire: int8 nodes send bfloat16
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 4}  # on the wire: int8 nodes compute in float32
 
 
 def check_targets(rows: list[dict], hidden_size: int, *, multiturn: Sequence[dict] = (),
