@@ -28,7 +28,8 @@ def rebuilt(tmp_path, monkeypatch):
 
 @needs_library
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(160, 96), (7, 33), (1536, 576), (3, 1000)])  # 33, 1000: not a multiple of 32
+# 33, 1000, 8200: not a multiple of 32; 8200: rows long enough to be taken four at a time
+@pytest.mark.parametrize("shape", [(160, 96), (7, 33), (1536, 576), (3, 1000), (6, 8200)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_computes_f_linears_products_within_rounding(dtype, shape, bias):
     torch.manual_seed(0)
@@ -62,6 +63,18 @@ def test_a_product_does_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_output_does_not_depend_on_the_rows_computed_beside_it(dtype):
+    """Long rows go four at a time, short ones and a matrix's last few one at a time: the same sums either way."""
+    torch.manual_seed(3)
+    for in_features in (100, 9000):
+        weight, x = torch.randn(7, in_features).to(dtype), torch.randn(1, in_features).to(dtype)
+        together = native.gemv(x, weight)
+        alone = torch.cat([native.gemv(x, weight[r:r + 1]) for r in range(7)], dim=-1)
+        assert torch.equal(together, alone)
 
 
 @needs_library
