@@ -226,7 +226,10 @@ class NativeSteps:
         import ctypes
 
         rooms = [cache_layers[i].reserve(1) for i in range(start_layer, end)]
-        if any(room is None for room in rooms):  # nothing reserved past a layer whose cache is empty
+        # the library writes each new key and value at [head, position] of a contiguous float32 buffer: anything
+        # else (a layer with nothing cached yet to grow from) goes the layers' own way, with nothing reserved
+        if not all(room is not None and all(b.is_contiguous() and b.dtype == torch.float32 for b in room)
+                   for room in rooms):
             for i, room in zip(range(start_layer, end), rooms):
                 if room is not None:
                     cache_layers[i].crop(-1)

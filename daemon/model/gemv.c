@@ -116,27 +116,29 @@ static const float *inputs(const void *x, long count, int dtype, float *scratch)
  * a 4096x14336 bfloat16 matrix 20 -> 30 GB/s on a Zen 4; shorter rows ran slower so (the partial sums spill) */
 #define LONG_ROW 8192
 
-/* outputs r0..r0+count-1 (count <= 4) of a weight kept [out, in] with one float32 input row, into v */
-static inline void block_f32(const float *w, long r0, int count, const float *x, long in, float *v) {
-    if (count == 4 && in >= LONG_ROW) dot4_f32(w + r0 * in, in, x, in, v);
-    else for (int i = 0; i < count; i++) v[i] = dot_f32(w + (r0 + i) * in, x, in);
-}
+/* what a weight matrix holds: float32, bfloat16, or int8 with one bfloat16 scale per row */
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
 
-static inline void block_bf16(const uint16_t *w, long r0, int count, const float *x, long in, float *v) {
-    if (count == 4 && in >= LONG_ROW) dot4_bf16(w + r0 * in, in, x, in, v);
-    else for (int i = 0; i < count; i++) v[i] = dot_bf16(w + (r0 + i) * in, x, in);
-}
-
-static inline void block_int8(const int8_t *w, const uint16_t *scale, long r0, int count, const float *x, long in,
-                              float *v) {
-    /* one row at a time: four at once measured slower for int8 (the conversions leave no room to share inputs) */
-    for (int i = 0; i < count; i++) v[i] = dot_int8(w + (r0 + i) * in, x, in) * from_bf16(scale[r0 + i]);
+/* outputs r0..r0+count-1 (count <= 4) of a weight of `kind` kept [out, in] with one float32 input row, into v;
+ * int8 one row at a time: four at once measured slower (the conversions leave no room to share inputs) */
+static inline void block(int kind, const void *w, const uint16_t *scale, long r0, int count, const float *x, long in,
+                         float *v) {
+    const int four = count == 4 && in >= LONG_ROW;
+    if (kind == W_F32 && four) dot4_f32((const float *)w + r0 * in, in, x, in, v);
+    else if (kind == W_BF16 && four) dot4_bf16((const uint16_t *)w + r0 * in, in, x, in, v);
+    else
+        for (int i = 0; i < count; i++) {
+            const long r = r0 + i;
+            v[i] = kind == W_F32    ? dot_f32((const float *)w + r * in, x, in)
+                   : kind == W_BF16 ? dot_bf16((const uint16_t *)w + r * in, x, in)
+                                    : dot_int8((const int8_t *)w + r * in, x, in) * from_bf16(scale[r]);
+        }
 }
 
 /* y[m, r] = sum_k w[r, k] * x[m, k] (+ bias[r]) for rows m < `rows`, outputs r < `out`, four outputs at a time;
- * w, x, bias and y all in `dtype`; `scratch` holds rows * in floats when dtype is bfloat16 */
-void meshnet_gemv(const void *w, const void *x, const void *bias, void *y, long rows, long out, long in, int dtype,
-                  float *scratch) {
+ * x, bias and y in `dtype`; `scratch` holds rows * in floats when dtype is bfloat16 */
+static void rows_by(int kind, const void *w, const uint16_t *scale, const void *x, const void *bias, void *y,
+                    long rows, long out, long in, int dtype, float *scratch) {
     const float *xs = inputs(x, rows * in, dtype, scratch);
 #pragma omp parallel for schedule(static)
     for (long b = 0; b < (out + 3) / 4; b++) {
@@ -144,29 +146,23 @@ void meshnet_gemv(const void *w, const void *x, const void *bias, void *y, long 
         const int count = out - r0 < 4 ? (int)(out - r0) : 4;
         for (long m = 0; m < rows; m++) {
             float v[4];
-            if (dtype == F32) block_f32((const float *)w, r0, count, xs + m * in, in, v);
-            else block_bf16((const uint16_t *)w, r0, count, xs + m * in, in, v);
-            for (int i = 0; i < count; i++) store(y, m * out + r0 + i, bias ? v[i] + load(bias, r0 + i, dtype) : v[i],
-                                                  dtype);
+            block(kind, w, scale, r0, count, xs + m * in, in, v);
+            for (int i = 0; i < count; i++)
+                store(y, m * out + r0 + i, bias ? v[i] + load(bias, r0 + i, dtype) : v[i], dtype);
         }
     }
 }
 
-/* as meshnet_gemv, for int8 weights `w` whose row r stands for w[r, :] * scale[r] (scale in bfloat16) */
+/* rows by a weight in `dtype` (float32 or bfloat16), as are x, bias and y */
+void meshnet_gemv(const void *w, const void *x, const void *bias, void *y, long rows, long out, long in, int dtype,
+                  float *scratch) {
+    rows_by(dtype == F32 ? W_F32 : W_BF16, w, NULL, x, bias, y, rows, out, in, dtype, scratch);
+}
+
+/* rows by int8 weights `w` whose row r stands for w[r, :] * scale[r] (scale in bfloat16) */
 void meshnet_gemv_int8(const int8_t *w, const uint16_t *scale, const void *x, const void *bias, void *y, long rows,
                        long out, long in, int dtype, float *scratch) {
-    const float *xs = inputs(x, rows * in, dtype, scratch);
-#pragma omp parallel for schedule(static)
-    for (long b = 0; b < (out + 3) / 4; b++) {
-        const long r0 = b * 4;
-        const int count = out - r0 < 4 ? (int)(out - r0) : 4;
-        for (long m = 0; m < rows; m++) {
-            float v[4];
-            block_int8(w, scale, r0, count, xs + m * in, in, v);
-            for (int i = 0; i < count; i++) store(y, m * out + r0 + i, bias ? v[i] + load(bias, r0 + i, dtype) : v[i],
-                                                  dtype);
-        }
-    }
+    rows_by(W_INT8, w, scale, x, bias, y, rows, out, in, dtype, scratch);
 }
 
 /* ---- one decode position through a Llama-family layer (daemon/model/decode.py's NativeDecoder) ---------------
@@ -177,8 +173,6 @@ void meshnet_gemv_int8(const int8_t *w, const uint16_t *scale, const void *x, co
  * head, the output product and residual, RMSNorm, the gated SiLU MLP and residual. Each product is a weight
  * matrix in one of the kinds below; every step of it runs in this one call, the products and the heads on the
  * OpenMP threads. */
-
-enum { W_F32 = 0, W_INT8 = 2 };
 
 struct matrix {
     const void *w;          /* [rows, cols] float32 or int8 */
@@ -209,8 +203,7 @@ static void products(const struct matrix *const *ms, float *const *ys, int count
         const long r0 = b * 4;
         const int n = m->rows - r0 < 4 ? (int)(m->rows - r0) : 4;
         float v[4];
-        if (m->kind == W_F32) block_f32((const float *)m->w, r0, n, x, m->cols, v);
-        else block_int8((const int8_t *)m->w, m->scale, r0, n, x, m->cols, v);
+        block(m->kind, m->w, m->scale, r0, n, x, m->cols, v);
         for (int j = 0; j < n; j++) ys[i][r0 + j] = m->bias ? v[j] + m->bias[r0 + j] : v[j];
     }
 }

@@ -93,12 +93,12 @@ def test_a_short_run_measures_one_mesh_against_generate_in_each_precision(tiny_m
     assert set(rows) == {(setup, precision) for setup in ("generate, 1 process, 1 thread", "mesh, 2 nodes, cached")
                          for precision in precisions}
     for precision in precisions:
-        size = {"float32": 4}.get(precision, 2)  # int8 weights compute in bfloat16
+        size = {"float32": 4, "int8": 4}.get(precision, 2)  # int8 weights compute in float32
         mesh, reference = rows["mesh, 2 nodes, cached", precision], rows["generate, 1 process, 1 thread", precision]
         assert mesh["tokens_match"] is True and mesh["token_ids"] == reference["token_ids"]  # generate in its dtype
         assert mesh["cached_tokens"] == 0  # the warm-up's prompt is not reused: each run computes its prompt whole
         assert mesh["decode_tps"] > 0 and mesh["payload_bytes_per_hop_step"] == 64 * size  # the tiny hidden size
-        assert [n["dtype"] for n in mesh["nodes"]] == [{"int8": "bfloat16"}.get(precision, precision)] * 2
+        assert [n["dtype"] for n in mesh["nodes"]] == [{"int8": "float32"}.get(precision, precision)] * 2
         assert all(n["peak_rss_bytes"] > n["weights_bytes"] > 0 for n in mesh["nodes"])
         assert 0 <= mesh["load"] < 1000
     assert "loopback floor" in proc.stdout

@@ -34,11 +34,12 @@ def _routing(tokens: int, top_k: int, experts: int, seed: int, shared: bool = Fa
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("tokens", "shared"), [(1, False), (3, False), (4, True)])
-def test_routed_experts_one_by_one_equal_grouped_mm(dtype, tokens, shared):
+@pytest.mark.parametrize(("tokens", "top_k", "shared"), [(1, 4, False), (2, 4, False), (4, 2, True)])
+def test_routed_experts_one_by_one_equal_grouped_mm(dtype, tokens, top_k, shared):
+    assert tokens * top_k <= MAX_PAIRS  # computed one by one, not handed to grouped_mm
     module = _experts(dtype)
     hidden = torch.randn(tokens, 64).to(dtype)
-    index, weights = _routing(tokens, 4, 16, seed=tokens, shared=shared)
+    index, weights = _routing(tokens, top_k, 16, seed=tokens, shared=shared)
     with torch.inference_mode():
         want = grouped_mm_experts_forward(module, hidden, index, weights)
         got = decode_experts_forward(module, hidden, index, weights)
