@@ -56,7 +56,8 @@ def loaded(folder, layer_ranges: list[str], dtype: str, tmp_path) -> list[tuple[
     try:
         for node in nodes:
             node.wait_ready()
-        return [(peak_rss_bytes(node), node.get("/v1/status")) for node in nodes]
+        statuses = [node.get("/v1/status") for node in nodes]  # first: serving the request may raise a peak
+        return [(peak_rss_bytes(node), status) for node, status in zip(nodes, statuses)]
     finally:
         for node in nodes:
             node.stop()
