@@ -33,10 +33,10 @@ def reference_models(default_model):
     def load(dtype: str = "float32", quantize: str | None = None):
         if (dtype, quantize) not in models:
             model = AutoModelForCausalLM.from_pretrained(default_model, dtype=getattr(torch, dtype)).eval()
-            if quantize:  # the same weight-only quantization a node applies, on every decoder layer
-                from daemon.model.quantize import quantize_layers
+            if quantize:  # the same weight-only quantization the nodes apply: every decoder layer, the LM head
+                from daemon.model.quantize import quantize_model
 
-                quantize_layers(list(model.model.layers), quantize)
+                quantize_model(model, quantize)
             models[dtype, quantize] = (model, tokenizer)
         return models[dtype, quantize]
 

@@ -29,10 +29,10 @@ class Reference:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
-        if quantize:  # as every node quantizes its own layers
-            from daemon.model.quantize import quantize_layers
+        if quantize:  # as the nodes quantize their layers and the tail its LM head
+            from daemon.model.quantize import quantize_model
 
-            quantize_layers(list(self.model.model.layers), quantize)
+            quantize_model(self.model, quantize)
         self.ids = torch.tensor([prompt_ids(folder)], device=device)
         self._generate(4, None)  # warm-up
 

@@ -217,7 +217,7 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
 
     from daemon.host import file_mappings, in_file_mapping
     from daemon.model.fusing import fuse_in_place
-    from daemon.model.quantize import quantize_layers
+    from daemon.model.quantize import quantize_head, quantize_layers
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -270,6 +270,8 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
         if model.model.embed_tokens.weight.device.type == "meta":
             load_parts(model, folder, {"embed"}, layers=layers, dtype=dtype, device=device)
         model.lm_head.weight = model.model.embed_tokens.weight
+    if "lm_head" in parts and quantize:
+        quantize_head(model, quantize)
     _check_loaded(model, folder, parts, layers)
 
 

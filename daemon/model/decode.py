@@ -24,6 +24,7 @@ holds every output to be bitwise the layers' own.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -223,8 +224,6 @@ class NativeSteps:
             end: int) -> torch.Tensor | None:
         """Layers ``[start_layer, end)`` over ``hidden [1, 1, hidden]``, keys and values written into the caches;
         None (nothing done) where a layer's cache holds nothing yet to grow from."""
-        import ctypes
-
         rooms = [cache_layers[i].reserve(1) for i in range(start_layer, end)]
         # the library writes each new key and value at [head, position] of a contiguous float32 buffer: anything
         # else (a layer with nothing cached yet to grow from) goes the layers' own way, with nothing reserved
@@ -237,7 +236,8 @@ class NativeSteps:
         cos, sin = (t.reshape(-1).contiguous() for t in position_embeddings)
         hidden_size, heads, kv_heads, head_dim, inter = self._sizes
         position = cache_layers[start_layer].get_seq_length() - 1  # the new position's index
-        work = hidden_size + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * inter + heads * (position + 1)
+        work = (hidden_size + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * inter
+                + self._lib.q8_floats(max(hidden_size, inter)) + heads * (position + 1))
         if self._work.numel() < work:
             self._work = torch.empty(work + 1024 * heads)
         out = hidden.reshape(-1).clone()  # the layers write into it, layer after layer

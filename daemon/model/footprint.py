@@ -144,6 +144,7 @@ class ModelFootprint:
     caches: tuple[LayerCache, ...] | None  # None: not understood (see cache_unknown)
     cache_unknown: str | None = None
     saved_dtype: str | None = None  # the dtype the checkpoint's config names (None: a GGUF file, or none named)
+    head: PartValues = PartValues()  # the LM head's own values, tied or not: the int8 method quantizes a copy
 
     @property
     def num_layers(self) -> int:
@@ -156,13 +157,16 @@ class ModelFootprint:
         """Bytes of weights a node hosting layers ``[start, end)`` holds once it has headed a generation.
 
         Part names follow ``GET /v1/status`` ``weights_bytes``; every node holds the embeddings (any node
-        can head), the tail the final norm and an untied LM head.
+        can head), the tail the final norm and an untied LM head, or with the int8 method an int8 LM head.
         """
         tail = end == self.num_layers
+        if precision.quantize == "int8":  # daemon.model.quantize.quantize_head
+            head = self.head.nbytes(precision, quantizable=True)
+        else:
+            head = self.lm_head.nbytes(precision)
         return {
             "layers": sum(self.layer_bytes(precision)[start:end]),
-            "final_norm_and_lm_head": (self.final_norm.nbytes(precision) + self.lm_head.nbytes(precision))
-            if tail else 0,
+            "final_norm_and_lm_head": self.final_norm.nbytes(precision) + head if tail else 0,
             "embeddings": self.embeddings.nbytes(precision),
         }
 
@@ -280,6 +284,7 @@ def _count_skeleton(config, name: str, source: str) -> ModelFootprint:
         final_norm=_count_module(base.norm),
         lm_head=PartValues() if tied else _count_module(model.lm_head),
         tied=tied,
+        head=_count_module(model.lm_head),
         max_positions=getattr(text, "max_position_embeddings", None),
         caches=caches,
         cache_unknown=unknown,

@@ -7,8 +7,9 @@
  * compiler for whatever this machine has), reduced pairwise in a fixed order: a product's result does not
  * depend on the thread count.
  *
- * Weights are float32, bfloat16 (converted exactly to float32) or int8 with one bfloat16 scale per output row;
- * inputs, bias and outputs are float32 or bfloat16 (outputs rounded to nearest even, as torch rounds).
+ * Weights are float32, bfloat16 (converted exactly to float32) or int8 with one bfloat16 scale per output row,
+ * whose inputs are quantized to int8 too (below); inputs, bias and outputs are float32 or bfloat16 (outputs rounded
+ * to nearest even, as torch rounds).
  * Built on the machine that runs it with its own compiler's -O3 -march=native -fopenmp, and linked to the
  * OpenMP runtime torch has already loaded, so its threads are torch's.
  */
@@ -70,34 +71,124 @@ static inline float reduce(float *acc) {
     }
 
 #define AS_IS(v) (v)
-#define INT8(v) ((float)(v))
 DOT(dot_f32, float, AS_IS)
 DOT(dot_bf16, uint16_t, from_bf16)
 DOT4(dot4_f32, float, AS_IS)
 DOT4(dot4_bf16, uint16_t, from_bf16)
 
-#ifdef __AVX512F__
+/* ---- int8 weights by int8 inputs -------------------------------------------------------------------------
+ *
+ * An int8 product's float32 input row is quantized first, much as llama.cpp quantizes a row for its Q8_0 weights:
+ * in blocks of Q8_BLOCK values, each block's values round(x / d) with d = max|x| / 127. A weight row r then gives
+ * scale[r] * (sum over blocks of d * the block's integer dot product). With AVX-512 VNNI one instruction takes 64
+ * int8 products, summed four by four into 16 exact 32-bit lanes, but it wants its weights unsigned: they go in
+ * with their sign bit flipped (w + 128), and the row's sum is corrected by `shift`, -128 * sum over blocks of
+ * d * the block's sum of values, once for every weight row. */
+#define Q8_BLOCK 64
+
+struct q8row {
+    int8_t *q;   /* [n] the quantized values */
+    float *d;    /* [blocks] each block's scale */
+    float shift; /* -128 * sum over the whole blocks of d * the sum of their values */
+};
+
+#define Q8_BLOCKS(n) (((n) + Q8_BLOCK - 1) / Q8_BLOCK)
+#define Q8_FLOATS(n) (Q8_BLOCKS(n) * (Q8_BLOCK / 4 + 1))
+/* a q8row for `n` values in `memory`, which holds Q8_FLOATS(n) floats */
+static struct q8row q8_at(float *memory, long n) {
+    struct q8row r = {(int8_t *)(memory + Q8_BLOCKS(n)), memory, 0.f};
+    return r;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
-/* compilers widen int8 through int16 in 256-bit halves; AVX-512 takes 16 int8 to 16 floats in two instructions */
-static inline float dot_int8(const int8_t *restrict w, const float *restrict x, long n) {
+static inline float dot_q8(const int8_t *restrict w, const struct q8row *x, long n) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     long k = 0;
-    for (; k + 32 <= n; k += 32) {
-        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k))));
-        __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k + 16))));
-        a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + k), a0);
-        a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + k + 16), a1);
+    for (; k + 2 * Q8_BLOCK <= n; k += 2 * Q8_BLOCK) {
+        __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(_mm512_loadu_si512(w + k), flip),
+                                         _mm512_loadu_si512(x->q + k));
+        __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                         _mm512_xor_si512(_mm512_loadu_si512(w + k + Q8_BLOCK), flip),
+                                         _mm512_loadu_si512(x->q + k + Q8_BLOCK));
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(x->d[k / Q8_BLOCK]), a0);
+        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(x->d[k / Q8_BLOCK + 1]), a1);
     }
-    float tail = 0.f;
-    for (; k < n; k++) tail += (float)w[k] * x[k];
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + tail;
+    if (k + Q8_BLOCK <= n) {
+        __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(_mm512_loadu_si512(w + k), flip),
+                                         _mm512_loadu_si512(x->q + k));
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(x->d[k / Q8_BLOCK]), a0);
+        k += Q8_BLOCK;
+    }
+    int32_t tail = 0;  /* a last partial block, signed as it is */
+    for (long t = k; t < n; t++) tail += w[t] * x->q[t];
+    return (_mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + x->shift) + (k < n ? (float)tail * x->d[k / Q8_BLOCK] : 0.f);
 }
+#define Q8_SHIFTED 1
 #else
-DOT(dot_int8, int8_t, INT8)
+/* without VNNI: each block's exact integer sum of signed products, times its scale */
+static inline float dot_q8(const int8_t *restrict w, const struct q8row *x, long n) {
+    float acc = 0.f;
+    for (long b = 0; b < n; b += Q8_BLOCK) {
+        const long end = b + Q8_BLOCK < n ? b + Q8_BLOCK : n;
+        int32_t s = 0;
+        for (long t = b; t < end; t++) s += w[t] * x->q[t];
+        acc += (float)s * x->d[b / Q8_BLOCK];
+    }
+    return acc;
+}
+#define Q8_SHIFTED 0
 #endif
 
 static inline float load(const void *p, long i, int dtype) {
     return dtype == F32 ? ((const float *)p)[i] : from_bf16(((const uint16_t *)p)[i]);
+}
+
+/* one block of `count` float32 values quantized into q: returns its scale d, and the sum of its values in *sum */
+static inline float quantize_block(const float *restrict x, long count, int8_t *restrict q, int32_t *sum) {
+#ifdef __AVX512F__
+    if (count == 64) {
+        __m512 v[4], top = _mm512_setzero_ps();
+        for (int j = 0; j < 4; j++) top = _mm512_max_ps(top, _mm512_abs_ps(v[j] = _mm512_loadu_ps(x + 16 * j)));
+        const float d = _mm512_reduce_max_ps(top) / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+        __m512i total = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {  /* rounded to nearest even, as rintf */
+            __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], _mm512_set1_ps(inverse)));
+            total = _mm512_add_epi32(total, i);
+            _mm_storeu_si128((__m128i *)(q + 16 * j), _mm512_cvtsepi32_epi8(i));
+        }
+        *sum = _mm512_reduce_add_epi32(total);
+        return d;
+    }
+#endif
+    float top = 0.f;
+    for (long i = 0; i < count; i++) top = fmaxf(top, fabsf(x[i]));
+    const float d = top / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+    int32_t s = 0;
+    for (long i = 0; i < count; i++) {
+        q[i] = (int8_t)rintf(x[i] * inverse);
+        s += q[i];
+    }
+    *sum = s;
+    return d;
+}
+
+/* x[0..n) (float32 or bfloat16) quantized into r, block by block */
+static void quantize_q8(const void *x, long n, int dtype, struct q8row *r) {
+    float converted[Q8_BLOCK];
+    r->shift = 0.f;
+    for (long b = 0; b < n; b += Q8_BLOCK) {
+        const long count = b + Q8_BLOCK < n ? Q8_BLOCK : n - b;
+        const float *values = (const float *)x + b;
+        if (dtype != F32) {
+            for (long i = 0; i < count; i++) converted[i] = load(x, b + i, dtype);
+            values = converted;
+        }
+        int32_t sum;
+        const float d = r->d[b / Q8_BLOCK] = quantize_block(values, count, r->q + b, &sum);
+        if (Q8_SHIFTED && count == Q8_BLOCK) r->shift += d * (float)(-128 * sum);
+    }
 }
 
 static inline void store(void *p, long i, float v, int dtype) {
@@ -119,34 +210,53 @@ static const float *inputs(const void *x, long count, int dtype, float *scratch)
 /* what a weight matrix holds: float32, bfloat16, or int8 with one bfloat16 scale per row */
 enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
 
-/* outputs r0..r0+count-1 (count <= 4) of a weight of `kind` kept [out, in] with one float32 input row, into v;
- * int8 one row at a time: four at once measured slower (the conversions leave no room to share inputs) */
-static inline void block(int kind, const void *w, const uint16_t *scale, long r0, int count, const float *x, long in,
-                         float *v) {
+/* one input row of a product: float32 values, or for int8 weights their quantization */
+struct row {
+    const float *f;
+    struct q8row q;
+};
+
+/* outputs r0..r0+count-1 (count <= 4) of a weight of `kind` kept [out, in] with one input row, into v; int8 one
+ * row at a time */
+static inline void block(int kind, const void *w, const uint16_t *scale, long r0, int count, const struct row *x,
+                         long in, float *v) {
     const int four = count == 4 && in >= LONG_ROW;
-    if (kind == W_F32 && four) dot4_f32((const float *)w + r0 * in, in, x, in, v);
-    else if (kind == W_BF16 && four) dot4_bf16((const uint16_t *)w + r0 * in, in, x, in, v);
+    if (kind == W_F32 && four) dot4_f32((const float *)w + r0 * in, in, x->f, in, v);
+    else if (kind == W_BF16 && four) dot4_bf16((const uint16_t *)w + r0 * in, in, x->f, in, v);
     else
         for (int i = 0; i < count; i++) {
             const long r = r0 + i;
-            v[i] = kind == W_F32    ? dot_f32((const float *)w + r * in, x, in)
-                   : kind == W_BF16 ? dot_bf16((const uint16_t *)w + r * in, x, in)
-                                    : dot_int8((const int8_t *)w + r * in, x, in) * from_bf16(scale[r]);
+            v[i] = kind == W_F32    ? dot_f32((const float *)w + r * in, x->f, in)
+                   : kind == W_BF16 ? dot_bf16((const uint16_t *)w + r * in, x->f, in)
+                                    : dot_q8((const int8_t *)w + r * in, &x->q, in) * from_bf16(scale[r]);
         }
 }
 
-/* y[m, r] = sum_k w[r, k] * x[m, k] (+ bias[r]) for rows m < `rows`, outputs r < `out`, four outputs at a time;
- * x, bias and y in `dtype`; `scratch` holds rows * in floats when dtype is bfloat16 */
+#define MAX_ROWS 16
+
+/* y[m, r] = sum_k w[r, k] * x[m, k] (+ bias[r]) for rows m < `rows` (at most MAX_ROWS), outputs r < `out`, four
+ * outputs at a time; x, bias and y in `dtype`; `scratch` holds rows * in floats when dtype is bfloat16, and
+ * rows * meshnet_q8_floats(in) for int8 weights */
 static void rows_by(int kind, const void *w, const uint16_t *scale, const void *x, const void *bias, void *y,
                     long rows, long out, long in, int dtype, float *scratch) {
-    const float *xs = inputs(x, rows * in, dtype, scratch);
+    struct row xs[MAX_ROWS];
+    if (rows > MAX_ROWS) return;
+    if (kind == W_INT8)
+        for (long m = 0; m < rows; m++) {
+            xs[m].q = q8_at(scratch + m * Q8_FLOATS(in), in);
+            quantize_q8((const char *)x + m * in * (dtype == F32 ? 4 : 2), in, dtype, &xs[m].q);
+        }
+    else {
+        const float *f = inputs(x, rows * in, dtype, scratch);
+        for (long m = 0; m < rows; m++) xs[m].f = f + m * in;
+    }
 #pragma omp parallel for schedule(static)
     for (long b = 0; b < (out + 3) / 4; b++) {
         const long r0 = b * 4;
         const int count = out - r0 < 4 ? (int)(out - r0) : 4;
         for (long m = 0; m < rows; m++) {
             float v[4];
-            block(kind, w, scale, r0, count, xs + m * in, in, v);
+            block(kind, w, scale, r0, count, &xs[m], in, v);
             for (int i = 0; i < count; i++)
                 store(y, m * out + r0 + i, bias ? v[i] + load(bias, r0 + i, dtype) : v[i], dtype);
         }
@@ -159,7 +269,10 @@ void meshnet_gemv(const void *w, const void *x, const void *bias, void *y, long 
     rows_by(dtype == F32 ? W_F32 : W_BF16, w, NULL, x, bias, y, rows, out, in, dtype, scratch);
 }
 
-/* rows by int8 weights `w` whose row r stands for w[r, :] * scale[r] (scale in bfloat16) */
+/* floats of scratch an int8 product's input row of `n` values takes */
+long meshnet_q8_floats(long n) { return Q8_FLOATS(n); }
+
+/* rows by int8 weights `w` whose row r stands for w[r, :] * scale[r] (scale in bfloat16), each input row quantized */
 void meshnet_gemv_int8(const int8_t *w, const uint16_t *scale, const void *x, const void *bias, void *y, long rows,
                        long out, long in, int dtype, float *scratch) {
     rows_by(W_INT8, w, scale, x, bias, y, rows, out, in, dtype, scratch);
@@ -189,9 +302,16 @@ struct layer {
     long hidden, heads, kv_heads, head_dim, inter;
 };
 
-/* y_i = m_i x for up to three matrices sharing the input x, their rows shared out among the threads together, four
- * at a time */
-static void products(const struct matrix *const *ms, float *const *ys, int count, const float *x) {
+/* y_i = m_i x for up to three matrices sharing the input x, their rows shared out among the threads
+ * together, four at a time; int8 matrices take x quantized into `q8` (meshnet_q8_floats of the longest x) */
+static void products(const struct matrix *const *ms, float *const *ys, int count, const float *x, float *q8) {
+    struct row xr = {x, {0}};
+    int quantized = 0;
+    for (int i = 0; i < count; i++) quantized |= ms[i]->kind == W_INT8;
+    if (quantized) {
+        xr.q = q8_at(q8, ms[0]->cols);
+        quantize_q8(x, ms[0]->cols, F32, &xr.q);
+    }
     long total = 0;
     for (int i = 0; i < count; i++) total += (ms[i]->rows + 3) / 4;
 #pragma omp parallel for schedule(static)
@@ -203,7 +323,7 @@ static void products(const struct matrix *const *ms, float *const *ys, int count
         const long r0 = b * 4;
         const int n = m->rows - r0 < 4 ? (int)(m->rows - r0) : 4;
         float v[4];
-        block(m->kind, m->w, m->scale, r0, n, x, m->cols, v);
+        block(m->kind, m->w, m->scale, r0, n, &xr, m->cols, v);
         for (int j = 0; j < n; j++) ys[i][r0 + j] = m->bias ? v[j] + m->bias[r0 + j] : v[j];
     }
 }
@@ -229,19 +349,19 @@ static void rotate(float *x, const float *cos, const float *sin, long d) {
     }
 }
 
-/* `hidden` [L->hidden] in place; `keys`/`values` [kv_heads, capacity, head_dim]; `work` holds
- * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * inter + heads * (pos + 1) floats */
+/* `hidden` [L->hidden] in place; `keys`/`values` [kv_heads, capacity, head_dim]; `work` holds hidden + 2 * heads *
+ * head_dim + 2 * kv_heads * head_dim + 2 * inter + meshnet_q8_floats(max(hidden, inter)) + heads * (pos + 1) floats */
 void meshnet_llama_layer(const struct layer *L, float *hidden, const float *cos, const float *sin, float *keys,
                          float *values, long capacity, long pos, float *work) {
     const long H = L->hidden, D = L->head_dim, heads = L->heads, kvh = L->kv_heads, I = L->inter;
     float *x = work, *q = x + H, *k = q + heads * D, *v = k + kvh * D, *att = v + kvh * D, *g = att + heads * D;
-    float *u = g + I, *scores = u + I;
+    float *u = g + I, *q8 = u + I, *scores = q8 + Q8_FLOATS(H > I ? H : I);
     const long n = pos + 1, group = heads / kvh;
 
     rms_norm(hidden, L->norm_in, L->eps_in, x, H);
     const struct matrix *qkv[3] = {&L->q, &L->k, &L->v};
     float *qkv_out[3] = {q, k, v};
-    products(qkv, qkv_out, 3, x);
+    products(qkv, qkv_out, 3, x, q8);
     for (long h = 0; h < heads; h++) rotate(q + h * D, cos, sin, D);
     for (long h = 0; h < kvh; h++) {
         rotate(k + h * D, cos, sin, D);
@@ -265,16 +385,16 @@ void meshnet_llama_layer(const struct layer *L, float *hidden, const float *cos,
     }
     const struct matrix *o[1] = {&L->o};
     float *o_out[1] = {x};
-    products(o, o_out, 1, att);
+    products(o, o_out, 1, att, q8);
     for (long i = 0; i < H; i++) hidden[i] += x[i];
 
     rms_norm(hidden, L->norm_post, L->eps_post, x, H);
     const struct matrix *gu[2] = {&L->gate, &L->up};
     float *gu_out[2] = {g, u};
-    products(gu, gu_out, 2, x);
+    products(gu, gu_out, 2, x, q8);
     for (long i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     const struct matrix *down[1] = {&L->down};
     float *down_out[1] = {x};
-    products(down, down_out, 1, g);
+    products(down, down_out, 1, g, q8);
     for (long i = 0; i < H; i++) hidden[i] += x[i];
 }

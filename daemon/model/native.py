@@ -74,6 +74,9 @@ class Library:
         self.llama_layer = lib.meshnet_llama_layer
         self.llama_layer.argtypes = [ctypes.POINTER(Layer), _P, _P, _P, _P, _P, _L, _L, _P]
         self.llama_layer.restype = None
+        self.q8_floats = lib.meshnet_q8_floats
+        self.q8_floats.argtypes = [_L]
+        self.q8_floats.restype = _L
 
 
 @functools.cache
@@ -178,7 +181,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
     """``x`` by int8 ``weight [out, in]`` whose row r stands for ``weight[r] * scale[r]`` (``scale`` bfloat16), in
-    ``x``'s dtype (float32 or bfloat16), at most :data:`MAX_ROWS` rows."""
+    ``x``'s dtype (float32 or bfloat16), at most :data:`MAX_ROWS` rows: each row of ``x`` quantized to int8 in
+    blocks of 64, much as llama.cpp quantizes a row for its Q8_0 weights, the products
+    exact integer sums, each block's scaled in float32."""
     lib = library()
     out_features, in_features = weight.shape
     rows = x.numel() // in_features
@@ -189,7 +194,7 @@ def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: 
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
-    scratch = _scratch(rows * in_features) if x.dtype != torch.float32 else None
+    scratch = _scratch(rows * lib.q8_floats(in_features))  # each row quantized
     lib.gemv_int8(weight.data_ptr(), scale.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None,
                   y.data_ptr(), rows, out_features, in_features, _DTYPES[x.dtype], scratch)
     return y

@@ -119,6 +119,8 @@ class ModelShard(DecoderLayers):
         super().__init__(build_skeleton(text, dtype, self.info.model_type), text, start, end, layer_types)
         # with ``quantize``, the node's own layers only: embeddings and LM head stay as loaded
         self._load(self._wanted_parts(head=head), quantize=quantize)
+        if not head:
+            self._release_untied_embeddings()
         buffers_to_device(self.model, self.device)
         use_decode_experts(self.model)  # MoE layers: a step's few routed experts without grouped_mm's walk over all
         # the head turns chats into ids, the tail names its token
@@ -150,6 +152,17 @@ class ModelShard(DecoderLayers):
     def _load(self, parts: set[str], *, quantize: str | None = None) -> None:
         load_parts(self.model, self.folder, parts, layers=range(self.start, self.end), dtype=self.dtype,
                    device=self.device, quantize=quantize)
+
+    def _release_untied_embeddings(self) -> None:
+        """A tail that is not the head loads the embeddings only for an LM head tied to them: once that head has a
+        weight of its own (an int8 copy), they go, until the node is first asked to be a head."""
+        from daemon.host import return_freed_memory
+
+        embed = self.model.model.embed_tokens
+        if embed.weight.device.type == "meta" or getattr(self.model.lm_head, "weight", None) is embed.weight:
+            return
+        embed.weight = torch.nn.Parameter(torch.empty_like(embed.weight, device="meta"), requires_grad=False)
+        return_freed_memory()
 
     def ensure_head(self) -> None:
         """Load the embeddings and tokenizer on first use as head (a no-op once loaded)."""

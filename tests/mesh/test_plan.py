@@ -340,6 +340,16 @@ def test_builtin_model_in_bfloat16_matches_a_real_shard(default_model):
     assert sum(shard.loaded_bytes().values()) == sum(footprint.weights_bytes(20, 30, Precision("bfloat16")).values())
 
 
+def test_builtin_model_int8_tail_matches_a_real_shard(default_model):
+    """The int8 method's tail holds an int8 copy of the tied LM head (and lets the embeddings go until it heads)."""
+    from daemon.model.shard import ModelShard
+
+    want = read_footprint(str(default_model)).weights_bytes(20, 30, Precision("float32", "int8"))
+    loaded = ModelShard(default_model, 20, 30, head=False, kv_cache=False, quantize="int8").loaded_bytes()
+    assert loaded == want | {"embeddings": 0}
+    assert want["final_norm_and_lm_head"] == 49152 * (576 + 2) + 576 * 4
+
+
 @pytest.mark.parametrize("arch", [pytest.param(a, marks=() if a == "llama" else pytest.mark.slow)
                                   for a in ("llama", "qwen3_moe", "qwen3_next")])
 def test_int8_counts_the_linear_weights_of_the_loaded_layers(tiny_model, arch):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from daemon.model import kernels, native
+from tests.support.q8 import int8_product
 
 needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler here: the fallback is tested below")
 
@@ -77,21 +78,41 @@ def test_an_output_does_not_depend_on_the_rows_computed_beside_it(dtype):
         assert torch.equal(together, alone)
 
 
-@needs_library
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_weights_multiply_as_their_scaled_values(dtype):
+def assert_int8_products_as_defined(dtype):
+    """Rows by int8 weights (-128 included) give tests/support/q8.py's products: whole blocks of 64 inputs and a
+    last partial one, each row the same alone as beside others; the quantized inputs really are quantized."""
     torch.manual_seed(2)
-    q = torch.randint(-127, 128, (300, 200), dtype=torch.int8)
-    scale = (torch.rand(300) / 100).to(torch.bfloat16)
-    bias = torch.randn(300)
-    x = torch.randn(4, 200).to(dtype)
-    exact = F.linear(x.double(), q.double() * scale.double()[:, None], bias.double())
-    got = native.gemv_int8(x, q, scale, bias)
-    assert got.dtype == dtype and got.shape == (4, 300)
-    bound = 1e-6 if dtype == torch.float32 else 2 ** -8
-    assert (got.double() - exact).abs().max() <= bound * exact.abs().max()
+    for out_features, in_features in ((300, 200), (64, 576), (5, 1000)):
+        q = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
+        scale = (torch.rand(out_features) / 100).to(torch.bfloat16)
+        bias = torch.randn(out_features)
+        x = torch.randn(4, in_features).to(dtype)
+        x[1, :64] = 0  # a block of zeros: d = 0
+        want = int8_product(x, q, scale, bias)
+        got = native.gemv_int8(x, q, scale, bias)
+        assert got.dtype == dtype and got.shape == (4, out_features)
+        bound = 2e-6 if dtype == torch.float32 else 2 ** -8  # float32 sums of exact block sums; a bfloat16 output
+        assert (got.double() - want).abs().max() <= bound * want.abs().max()
+        unquantized = F.linear(x.double(), q.double() * scale.double()[:, None], bias.double())
+        assert (unquantized - want).abs().max() > 1e-4 * want.abs().max()  # the inputs' quantization shows
+        alone = torch.cat([native.gemv_int8(x[m:m + 1], q, scale, bias) for m in range(4)])
+        assert torch.equal(got, alone)
     with pytest.raises(ValueError, match="int8"):
         native.gemv_int8(x, q.t(), scale)  # not contiguous rows
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_weights_multiply_int8_inputs_as_defined(dtype):
+    assert_int8_products_as_defined(dtype)
+
+
+@needs_library
+def test_int8_products_without_avx512_vnni_are_the_same_products(rebuilt, monkeypatch):
+    """Machines without AVX-512 VNNI (or AVX-512) build the plain C sums of the same quantized products."""
+    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-mno-avx512f"))
+    assert native.library() is not None
+    assert_int8_products_as_defined(torch.float32)
 
 
 @needs_library
