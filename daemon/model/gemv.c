@@ -76,6 +76,50 @@ DOT(dot_bf16, uint16_t, from_bf16)
 DOT4(dot4_f32, float, AS_IS)
 DOT4(dot4_bf16, uint16_t, from_bf16)
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define BF16_PAIRS 1
+/* bfloat16 weights by bfloat16 inputs (a bfloat16 node's own activations, exact as they are): one AVX-512 BF16
+ * instruction multiplies 32 pairs exactly and adds each pair's sum into 16 float32 lanes */
+static inline float dot_bf16_pairs(const uint16_t *restrict w, const uint16_t *restrict x, long n) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    long k = 0;
+    for (; k + 64 <= n; k += 64) {
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + 32), (__m512bh)_mm512_loadu_si512(x + k + 32));
+    }
+    if (k + 32 <= n) {
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
+        k += 32;
+    }
+    float tail = 0.f;
+    for (; k < n; k++) tail += from_bf16(w[k]) * from_bf16(x[k]);
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + tail;
+}
+
+/* four weight rows `stride` apart by one bfloat16 input row, the input read once for the four (long rows): each
+ * row's sums exactly as dot_bf16_pairs's */
+static inline void dot4_bf16_pairs(const uint16_t *restrict w, long stride, const uint16_t *restrict x, long n,
+                                   float *out) {
+    __m512 a[4][2];
+    for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    long k = 0;
+    for (; k + 32 <= n; k += 32) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+        const int half = (k / 32) & 1;
+        for (int r = 0; r < 4; r++)
+            a[r][half] = _mm512_dpbf16_ps(a[r][half], (__m512bh)_mm512_loadu_si512(w + r * stride + k), xv);
+    }
+    for (int r = 0; r < 4; r++) {
+        float tail = 0.f;
+        for (long t = k; t < n; t++) tail += from_bf16(w[r * stride + t]) * from_bf16(x[t]);
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][0], a[r][1])) + tail;
+    }
+}
+#else
+#define BF16_PAIRS 0
+#endif
+
 /* ---- int8 weights by int8 inputs -------------------------------------------------------------------------
  *
  * An int8 product's float32 input row is quantized first, much as llama.cpp quantizes a row for its Q8_0 weights:
@@ -214,6 +258,7 @@ enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
 struct row {
     const float *f;
     struct q8row q;
+    const uint16_t *h; /* for bfloat16 weights where BF16_PAIRS: the bfloat16 inputs as given */
 };
 
 /* outputs r0..r0+count-1 (count <= 4) of a weight of `kind` kept [out, in] with one input row, into v; int8 one
@@ -221,6 +266,13 @@ struct row {
 static inline void block(int kind, const void *w, const uint16_t *scale, long r0, int count, const struct row *x,
                          long in, float *v) {
     const int four = count == 4 && in >= LONG_ROW;
+#if BF16_PAIRS
+    if (kind == W_BF16 && x->h) {
+        if (four) dot4_bf16_pairs((const uint16_t *)w + r0 * in, in, x->h, in, v);
+        else for (int i = 0; i < count; i++) v[i] = dot_bf16_pairs((const uint16_t *)w + (r0 + i) * in, x->h, in);
+        return;
+    }
+#endif
     if (kind == W_F32 && four) dot4_f32((const float *)w + r0 * in, in, x->f, in, v);
     else if (kind == W_BF16 && four) dot4_bf16((const uint16_t *)w + r0 * in, in, x->f, in, v);
     else
@@ -246,9 +298,11 @@ static void rows_by(int kind, const void *w, const uint16_t *scale, const void *
             xs[m].q = q8_at(scratch + m * Q8_FLOATS(in), in);
             quantize_q8((const char *)x + m * in * (dtype == F32 ? 4 : 2), in, dtype, &xs[m].q);
         }
+    else if (BF16_PAIRS && kind == W_BF16 && dtype == BF16)
+        for (long m = 0; m < rows; m++) xs[m].h = (const uint16_t *)x + m * in;
     else {
         const float *f = inputs(x, rows * in, dtype, scratch);
-        for (long m = 0; m < rows; m++) xs[m].f = f + m * in;
+        for (long m = 0; m < rows; m++) xs[m].f = f + m * in, xs[m].h = NULL;
     }
 #pragma omp parallel for schedule(static)
     for (long b = 0; b < (out + 3) / 4; b++) {
@@ -305,7 +359,7 @@ struct layer {
 /* y_i = m_i x for up to three matrices sharing the input x, their rows shared out among the threads
  * together, four at a time; int8 matrices take x quantized into `q8` (meshnet_q8_floats of the longest x) */
 static void products(const struct matrix *const *ms, float *const *ys, int count, const float *x, float *q8) {
-    struct row xr = {x, {0}};
+    struct row xr = {x, {0}, NULL};
     int quantized = 0;
     for (int i = 0; i < count; i++) quantized |= ms[i]->kind == W_INT8;
     if (quantized) {

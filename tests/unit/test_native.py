@@ -52,9 +52,10 @@ def test_gemv_computes_f_linears_products_within_rounding(dtype, shape, bias):
 
 
 @needs_library
-def test_a_product_does_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_product_does_not_depend_on_the_thread_count(dtype):
     torch.manual_seed(1)
-    weight, x = torch.randn(1000, 300), torch.randn(3, 300)
+    weight, x = torch.randn(1000, 300).to(dtype), torch.randn(3, 300).to(dtype)
     threads = torch.get_num_threads()
     try:
         results = []
