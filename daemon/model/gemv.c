@@ -146,23 +146,22 @@ static struct q8row q8_at(float *memory, long n) {
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
+/* acc + the block at k: its 64 products in 16 exact lanes, times the block's scale */
+static inline __m512 q8_block(const int8_t *restrict w, const struct q8row *x, long k, __m512 acc) {
+    const __m512i unsigned_w = _mm512_xor_si512(_mm512_loadu_si512(w + k), _mm512_set1_epi8((char)0x80));
+    const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), unsigned_w, _mm512_loadu_si512(x->q + k));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(x->d[k / Q8_BLOCK]), acc);
+}
+
 static inline float dot_q8(const int8_t *restrict w, const struct q8row *x, long n) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     long k = 0;
     for (; k + 2 * Q8_BLOCK <= n; k += 2 * Q8_BLOCK) {
-        __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(_mm512_loadu_si512(w + k), flip),
-                                         _mm512_loadu_si512(x->q + k));
-        __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                         _mm512_xor_si512(_mm512_loadu_si512(w + k + Q8_BLOCK), flip),
-                                         _mm512_loadu_si512(x->q + k + Q8_BLOCK));
-        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(x->d[k / Q8_BLOCK]), a0);
-        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(x->d[k / Q8_BLOCK + 1]), a1);
+        a0 = q8_block(w, x, k, a0);
+        a1 = q8_block(w, x, k + Q8_BLOCK, a1);
     }
     if (k + Q8_BLOCK <= n) {
-        __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(_mm512_loadu_si512(w + k), flip),
-                                         _mm512_loadu_si512(x->q + k));
-        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(x->d[k / Q8_BLOCK]), a0);
+        a0 = q8_block(w, x, k, a0);
         k += Q8_BLOCK;
     }
     int32_t tail = 0;  /* a last partial block, signed as it is */

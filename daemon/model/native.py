@@ -6,7 +6,7 @@ float32 product of one row by the built-in model's 1536x576 matrix 9.9 GB/s (it 
 the thread count), oneDNN's 18.6 GB/s, PyTorch's int8-weight kernel 8-10 GB/s; the dot products of
 ``gemv.c``, compiled for the CPU it runs on, 25-33 GB/s (``scripts/kernel_plans.py`` prints what each takes
 here). It is one more kernel a weight plan measures (``"gemv"`` in :mod:`daemon.model.kernels`), and int8
-weights' decode products run on it where it is faster than PyTorch's (:mod:`daemon.model.quantize`).
+weights' decode products (up to :data:`MAX_ROWS` rows) always run on it (:mod:`daemon.model.quantize`).
 
 The library is compiled once per machine into the user cache (about a second with the system's C compiler,
 ``$CC`` or ``cc``) and loaded with ctypes; its threads are torch's own OpenMP team. Without a compiler, or
@@ -166,15 +166,10 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` by ``gemv.c`` (the caller has checked :func:`supports` and :func:`library`)."""
     lib = library()
-    out_features, in_features = weight.shape
-    rows = x.numel() // in_features
-    x = x.contiguous()
-    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
-        bias = bias.to(x.dtype).contiguous()
-    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
-    scratch = _scratch(rows * in_features) if x.dtype != torch.float32 else None
-    lib.gemv(weight.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
-             rows, out_features, in_features, _DTYPES[x.dtype], scratch)
+    x, bias, y, rows = _rows_by(x, weight, bias)
+    scratch = _scratch(rows * weight.shape[1]) if x.dtype != torch.float32 else None  # bfloat16 rows as float32
+    lib.gemv(weight.data_ptr(), x.data_ptr(), _pointer(bias), y.data_ptr(), rows, *weight.shape, _DTYPES[x.dtype],
+             scratch)
     return y
 
 
@@ -182,22 +177,31 @@ def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: 
               ) -> torch.Tensor:
     """``x`` by int8 ``weight [out, in]`` whose row r stands for ``weight[r] * scale[r]`` (``scale`` bfloat16), in
     ``x``'s dtype (float32 or bfloat16), at most :data:`MAX_ROWS` rows: each row of ``x`` quantized to int8 in
-    blocks of 64, much as llama.cpp quantizes a row for its Q8_0 weights, the products
-    exact integer sums, each block's scaled in float32."""
+    blocks of 64, much as llama.cpp quantizes a row for its Q8_0 weights, the products exact integer sums, each
+    block's scaled in float32 (ADR-0041)."""
     lib = library()
-    out_features, in_features = weight.shape
-    rows = x.numel() // in_features
     if (x.dtype not in _DTYPES or weight.dtype != torch.int8 or scale.dtype != torch.bfloat16
-            or not weight.is_contiguous() or not scale.is_contiguous() or rows > MAX_ROWS):
+            or not weight.is_contiguous() or not scale.is_contiguous() or x.numel() > MAX_ROWS * weight.shape[1]):
         raise ValueError("gemv_int8 takes float32 or bfloat16 rows by a contiguous int8 matrix with bfloat16 scales")
+    x, bias, y, rows = _rows_by(x, weight, bias)
+    scratch = _scratch(rows * lib.q8_floats(weight.shape[1]))  # each row quantized
+    lib.gemv_int8(weight.data_ptr(), scale.data_ptr(), x.data_ptr(), _pointer(bias), y.data_ptr(), rows,
+                  *weight.shape, _DTYPES[x.dtype], scratch)
+    return y
+
+
+def _rows_by(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """What a product of ``x`` by ``weight [out, in]`` passes the library: ``x`` contiguous, the bias contiguous in
+    ``x``'s dtype, the output to fill, and the row count."""
     x = x.contiguous()
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
-    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
-    scratch = _scratch(rows * lib.q8_floats(in_features))  # each row quantized
-    lib.gemv_int8(weight.data_ptr(), scale.data_ptr(), x.data_ptr(), bias.data_ptr() if bias is not None else None,
-                  y.data_ptr(), rows, out_features, in_features, _DTYPES[x.dtype], scratch)
-    return y
+    y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+    return x, bias, y, x.numel() // weight.shape[1]
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return tensor.data_ptr() if tensor is not None else None
 
 
 _scratch_buffers = threading.local()  # per thread: a float32 copy of bfloat16 inputs, grown as needed
