@@ -1,7 +1,7 @@
 """How long OpenMP workers should spin between parallel regions when two daemons share the cores.
 
     .venv/bin/python scripts/spin_count.py [--spins 100000 30000 10000] [--rounds 10] [--steps 25]
-                                           [--gap-ms 1.4] [--threads 1]
+                                           [--gap-ms 1.4] [--threads 1] [--quantize int8]
 
 A single stream through a co-located two-node mesh computes on one node, then on the other. Each
 node's libgomp workers spin ``GOMP_SPINCOUNT`` times after a parallel region before they sleep: long
@@ -43,7 +43,8 @@ def node(start: int, end: int) -> None:
 
     torch.set_num_threads(int(os.environ.get("SPIN_COUNT_THREADS") or os.cpu_count() or 1))
     shard = ModelShard(fetch_default_model(progress=lambda *_: None), start, end, head=start == 0,
-                       sessions=SessionCacheStore())
+                       sessions=SessionCacheStore(), quantize=os.environ.get("SPIN_COUNT_QUANTIZE") or None)
+    shard.plan_kernels(max_rows=1)  # as a node does by default (--tune-kernels on): native decode steps
     prompt = torch.randn(1, 40, shard.info.hidden_size) * 0.5
 
     def fresh():
@@ -100,9 +101,12 @@ def main() -> int:
     p.add_argument("--gap-ms", type=float, default=0.0,
                    help="a pause after each node's part, as a hop between nodes takes (not counted in the step)")
     p.add_argument("--threads", type=int, help="torch threads per process (default: every core)")
+    p.add_argument("--quantize", choices=["int8"], help="the nodes' weights in int8 (default float32)")
     args = p.parse_args()
     if args.threads:
         os.environ["SPIN_COUNT_THREADS"] = str(args.threads)
+    if args.quantize:
+        os.environ["SPIN_COUNT_QUANTIZE"] = args.quantize
     half = MODEL_LAYERS // 2
     setups = {"one process": ({}, [(0, MODEL_LAYERS)])}
     for spins in args.spins:
