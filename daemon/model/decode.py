@@ -188,6 +188,10 @@ class NativeSteps:
     def __init__(self, lib, layers: dict[int, object], keep: list[torch.Tensor], sizes: tuple[int, ...]) -> None:
         self._lib, self._layers, self._keep = lib, layers, keep  # keep: tensors the structs point into
         self._sizes = sizes  # hidden, heads, kv heads, head dim, intermediate
+        hidden_size, heads, kv_heads, head_dim, inter = sizes
+        # the floats of work a step needs besides its attention scores (heads * positions)
+        self._fixed_work = (hidden_size + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * inter
+                            + lib.q8_floats(max(hidden_size, inter)))
         self._work = torch.empty(0)
 
     @classmethod
@@ -234,10 +238,9 @@ class NativeSteps:
                     cache_layers[i].crop(-1)
             return None
         cos, sin = (t.reshape(-1).contiguous() for t in position_embeddings)
-        hidden_size, heads, kv_heads, head_dim, inter = self._sizes
+        hidden_size, heads = self._sizes[:2]
         position = cache_layers[start_layer].get_seq_length() - 1  # the new position's index
-        work = (hidden_size + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * inter
-                + self._lib.q8_floats(max(hidden_size, inter)) + heads * (position + 1))
+        work = self._fixed_work + heads * (position + 1)
         if self._work.numel() < work:
             self._work = torch.empty(work + 1024 * heads)
         out = hidden.reshape(-1).clone()  # the layers write into it, layer after layer
