@@ -206,6 +206,8 @@ def load_node(argv: list[str]):
         _say(f"loading layers {format_layers(start, end)} of {info.name} ({info.num_layers} layers) "
              f"with {threads} thread(s)")
         node = Node.load(config, folder, start, end, threads, tls=tls, chat_template=chat_template)
+        if config.draft_model:
+            node.head.drafter = load_drafter(config, node, folder, device)
     except ModelUnavailable as exc:
         raise Refused(exc.message) from None
     weights = sum(node.service.shard.loaded_bytes().values())
@@ -213,6 +215,50 @@ def load_node(argv: list[str]):
          f"{node.service.dtype} on {node.service.shard.device}; "
          f"kv cache {'on' if node.service.supports_kv_cache else 'off'}")
     return node
+
+
+def load_drafter(config, node, target_folder, device):
+    """``--draft-model``: prompt lookup, or a small model loaded on the node's torch thread and checked to share
+    the served model's tokenizer."""
+    from daemon.mesh.speculation import NgramDrafter
+
+    if config.draft_model.strip().lower() == "ngram":
+        _say(f"speculative decoding: drafting up to {config.draft_max} tokens by prompt lookup")
+        return NgramDrafter()
+    import torch
+
+    from daemon.errors import ModelUnavailable
+    from daemon.model.checkpoint import read_model_info
+    from daemon.model.device import dtype_name, resolve_dtype
+    from daemon.model.draft import DraftModel
+    from daemon.model.gguf_convert import gguf_layer_count
+    from daemon.model.quantize import check_quantization
+    from daemon.model.source import gguf_model_file, gguf_range_folder, resolve_model
+    from daemon.model.tokenizer import ChatTokenizer
+
+    if config.draft_dtype == "auto" and config.draft_quantize == "int8" and device.type == "cpu":
+        dtype = torch.float32  # int8 products take float32 inputs natively (daemon/model/gemv.c): the fastest draft
+    else:
+        dtype = resolve_dtype(config.draft_dtype, device)
+    if config.draft_quantize:
+        check_quantization(config.draft_quantize, dtype, device)
+    spec = None if config.draft_model.strip().lower() in ("built-in", "builtin") else config.draft_model
+    try:
+        gguf = gguf_model_file(spec)
+        folder = (gguf_range_folder(gguf, 0, gguf_layer_count(gguf), dtype=dtype_name(dtype), progress=_say)
+                  if gguf else resolve_model(spec, progress=_say))
+    except ModelUnavailable as exc:  # said of --model: this is the draft's
+        raise ModelUnavailable(exc.message.replace("--model ", "--draft-model ", 1)) from None
+    service = node.service
+    drafter = service.executor.submit(
+        DraftModel.load, folder, service.run, dtype=dtype, quantize=config.draft_quantize,
+        tune_kernels=config.tune_kernels == "on").result()
+    target = ChatTokenizer.load(target_folder, service.shard.config)
+    drafter.check_tokenizer(target)
+    _say(f"speculative decoding: drafting up to {config.draft_max} tokens with {drafter.name} "
+         f"({read_model_info(folder).num_layers} layers, {dtype_name(dtype)}"
+         f"{', int8' if config.draft_quantize else ''})")
+    return drafter
 
 
 def node_app(node):

@@ -139,6 +139,21 @@ class NodeConfig:
         help="as head, start a request from a session the mesh already holds when its prompt begins with that "
         "session's tokens: shared (any client's; default), client (only the same client's: its OpenAI 'user', "
         "else its address; a cached prefix answers faster, which another client could time), or off")
+    draft_model: str | None = setting(
+        None, flag="--draft-model", metavar="MODEL",
+        help="as head, speculative decoding: draft tokens with MODEL (a folder, a .gguf, or built-in: a small model "
+        "sharing the served model's tokenizer, run in this process) or ngram (prompt lookup, no model), and verify "
+        "them along the route in one pass; answers stay exactly the same (default: none)")
+    draft_max: int = setting(
+        4, flag="--draft-max", metavar="N", help="the most tokens drafted per step; fewer, or none, where the "
+        "measured acceptance and route cost say so (default 4)", check=between(1, 32))
+    draft_dtype: str = setting(
+        "auto", flag="--draft-dtype", choices=("auto", "float32", "bfloat16", "float16"),
+        help="compute dtype of the draft model (default auto: as --dtype, but float32 for an int8 draft on a CPU, "
+        "whose products then run natively)")
+    draft_quantize: str | None = setting(
+        None, flag="--draft-quantize", choices=("int8",), help="weight-only int8 for the draft model's layers "
+        "(an int8 copy of the served model is a cheap draft that mostly agrees with it)")
     wire_dtype: str | None = setting(  # None: the compute dtype, which loses nothing
         None, flag="--wire-dtype", choices=("float32", "float16", "bfloat16"),
         help="dtype of activations this node sends as head (default: its compute dtype, exact)")

@@ -39,6 +39,13 @@ class SessionEntry:
     last_used: float
     expires_at: float  # last_used + ttl
     retained: bool = False  # its generation ended: an idle prefix, evicted before any live session
+    # after a verify step (speculative decoding): what cuts the session back to any length from ``rewind_from``
+    # up to ``past_len`` (opaque here, see daemon.model.speculation); None: only ``past_len`` continues
+    undo: object | None = None
+    rewind_from: int = 0
+
+    def can_rewind_to(self, past_len: int) -> bool:
+        return self.undo is not None and self.rewind_from <= past_len < self.past_len
 
 
 class SessionCacheStore:
@@ -94,15 +101,18 @@ class SessionCacheStore:
             if entry.start_layer != start_layer:
                 what = f"was cached from layer {entry.start_layer}, the step starts at layer {start_layer}"
                 raise self._drop_stale(entry, "start_layer_mismatch", what)
-            if entry.past_len != past_len:
+            if entry.past_len != past_len and not entry.can_rewind_to(past_len):
                 what = f"holds {entry.past_len} tokens, the step expects {past_len}"
                 raise self._drop_stale(entry, "past_len_mismatch", what)
             self._hits += 1
             self._touch(entry, now)
             return dataclasses.replace(entry)
 
-    def commit(self, session_id: str, *, past_len: int, nbytes: int) -> None:
-        """Record a successful step's new length and size, then enforce bounds (bytes may have grown)."""
+    def commit(self, session_id: str, *, past_len: int, nbytes: int, undo: object | None = None,
+               rewind_from: int = 0) -> None:
+        """Record a successful step's new length and size, then enforce bounds (bytes may have grown). A verify
+        step's ``undo`` lets the next step start anywhere from ``rewind_from`` to ``past_len``; any other step
+        ends what an earlier one allowed."""
         with self._lock:
             now = self._clock()
             entry = self._entries.get(session_id)
@@ -110,6 +120,7 @@ class SessionCacheStore:
                 # Refresh before expiring, so a step longer than the TTL does not lose its own cache.
                 entry.past_len = past_len
                 entry.nbytes = nbytes
+                entry.undo, entry.rewind_from = undo, rewind_from
                 self._touch(entry, now)
             self._enforce_bounds(now)
 

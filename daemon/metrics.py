@@ -70,6 +70,9 @@ class Metrics:
                                      "re-prefills included)", ["kind"], registry=r)
         self.cache_misses = Counter("meshnet_head_cache_misses", "409 cache misses the head's generations met",
                                     registry=r)
+        self.draft_tokens = Counter("meshnet_draft_tokens", "Speculative decoding: tokens the head's generations "
+                                    "drafted, and of those the ones the tail accepted", ["outcome"], registry=r)
+        self.verify_steps = Counter("meshnet_verify_steps", "Decode steps that carried drafted tokens", registry=r)
         self.running = Gauge("meshnet_requests_running", "Requests being handled now", ["endpoint"], registry=r)
         self.requests = Counter("meshnet_http_requests", "HTTP requests answered", ["endpoint", "status"],
                                 registry=r)
@@ -106,3 +109,6 @@ class Metrics:
         self.cache_misses.inc(stats.cache_misses)
         self.prompt_tokens.labels("reused").inc(stats.cached_tokens)
         self.prompt_tokens.labels("computed").inc(stats.prompt_computed_tokens)
+        self.draft_tokens.labels("drafted").inc(stats.drafted_tokens)
+        self.draft_tokens.labels("accepted").inc(stats.accepted_tokens)
+        self.verify_steps.inc(stats.verify_steps)

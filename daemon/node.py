@@ -54,7 +54,7 @@ class Node(NodeView):
             wire_dtype=config.wire_dtype or service.dtype, hop_timeout_seconds=config.hop_timeout_seconds,
             max_generations=config.max_generations, max_tokens_default=config.max_tokens_default,
             max_tokens_cap=config.max_tokens_cap, prefix_reuse=config.prefix_reuse,
-            max_model_len=config.max_model_len,
+            max_model_len=config.max_model_len, max_draft=config.draft_max,
         ))
         super().__init__(url=config.url, node_id=node_id, service=service, head=head, peers=peers, planner=planner,
                          metrics=metrics, quantize=config.quantize)
@@ -110,4 +110,4 @@ class Node(NodeView):
     def _own_candidate(self) -> Candidate:
         service = self.service
         return Candidate(url=self.url, start=service.start, end=service.end, kv_cache=service.caches, local=True,
-                         busy=service.busy())
+                         verifies=service.caches, busy=service.busy())

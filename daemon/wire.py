@@ -20,6 +20,8 @@ Request headers (absent means the old behaviour):
 ``X-Meshnet-History``       tail only, with a penalty: ``P,G``, the body ends with P + G ids (below)
 ``X-Meshnet-Prefix``        decode only: start this session from another session's cache
 ``X-Meshnet-Prefix-Mode``   ``fork`` (default: copy it, the other stays) or ``take`` (move it)
+``X-Meshnet-Draft``         decode only, a **verify** step: ``d1,...,dk``, the k drafted token ids the
+                            step's last k positions carry (below)
 ==========================  ==========================================================
 
 An **extend** step is a ``decode`` step of k >= 1 positions: the session's cache holds
@@ -44,6 +46,16 @@ with a repetition penalty; as a set, unordered) then the ``G`` ids generated so 
 and says ``X-Meshnet-History: P,G``. They travel with every step, so a re-prefill or a
 new tail after a failover sees exactly what the first one saw. Neither is sent when
 not asked for: an older tail reads the same requests as before.
+A **verify** step (speculative decoding, :mod:`daemon.mesh.speculation`) is a ``decode`` step of
+k+1 positions, the last accepted token then k drafted ones, with ``X-Meshnet-Draft`` naming the
+drafted ids. Every node keeps what it needs to drop positions of it again: the session's next
+step may say a ``Past-Len`` anywhere from the verify step's own ``Past-Len`` up to what it
+holds, and the node first cuts its session back to that. The tail samples position after
+position, exactly as single steps would (same seed per position, the drafted tokens before it
+in the penalties' history), and stops at the first token that differs from the draft: it
+answers ``"tokens": [{"token_id", "text"[, "logprob", "top_logprobs"]}, ...]``, the accepted
+drafts and one more, beside ``token_id`` and ``text`` of the last. A node that can do this says
+``"speculation": true`` in ``/v1/status``; a head sends verify steps only along routes of such nodes.
 Every answer carries ``X-Meshnet-Compute-Ms``, the node's own time on the step,
 so the head can tell network overhead from compute when it plans routes.
 """
@@ -69,6 +81,7 @@ COMPUTE_MS = "X-Meshnet-Compute-Ms"
 PREFIX = "X-Meshnet-Prefix"
 PREFIX_MODE = "X-Meshnet-Prefix-Mode"
 HISTORY = "X-Meshnet-History"
+DRAFT = "X-Meshnet-Draft"
 
 ACTIVATION_CONTENT_TYPE = "application/octet-stream"
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -76,6 +89,7 @@ CACHE_MODES = ("prefill", "decode")
 PREFIX_MODES = ("fork", "take")
 MAX_SEQUENCE = 1 << 20
 MAX_TOP_LOGPROBS = 20  # alternatives a tail reports per token, as OpenAI allows
+MAX_DRAFT = 32  # drafted tokens one verify step may carry
 _SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -121,6 +135,23 @@ class ForwardRequest:
     prefix: str | None = None  # decode only: the session to start from, cut back to past_len positions
     take_prefix: bool = False  # move that session's cache (crop it in place) rather than copy it
     history: History | None = None  # the tail's, with a penalty
+    draft: tuple[int, ...] | None = None  # a verify step: the drafted ids its last positions carry
+
+
+@dataclass(frozen=True)
+class TokenChoice:
+    """One token a tail chose, named, with its log-probabilities when they were asked for."""
+
+    token_id: int
+    text: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # best first
+
+    def to_json(self) -> dict:
+        body = {"token_id": self.token_id, "text": self.text}
+        if self.logprob is not None:
+            body |= {"logprob": self.logprob, "top_logprobs": [list(pair) for pair in self.top_logprobs or []]}
+        return body
 
 
 @dataclass(frozen=True)
@@ -133,12 +164,13 @@ class ForwardReply:
     compute_ms: float = 0.0  # the node's own time on the step
     logprob: float | None = None  # asked for with "logprobs" in the sampling
     top_logprobs: list[tuple[int, float]] | None = None
+    tokens: list[TokenChoice] | None = None  # a verify step's: the accepted drafts and one more
 
     def token_json(self) -> dict:
         """The tail's JSON answer; the log-probabilities only when they were asked for."""
-        body = {"token_id": self.token_id, "text": self.text}
-        if self.logprob is not None:
-            body |= {"logprob": self.logprob, "top_logprobs": [list(pair) for pair in self.top_logprobs or []]}
+        body = TokenChoice(self.token_id, self.text, self.logprob, self.top_logprobs).to_json()
+        if self.tokens is not None:
+            body["tokens"] = [token.to_json() for token in self.tokens]
         return body
 
 
@@ -272,6 +304,7 @@ def parse_forward(
     prefix, take_prefix = _parse_prefix(headers, mode=mode, session_id=session_id)
     body, history = split_history(headers, body)
     activation = parse_activation(headers, body, hidden_size=hidden_size)
+    draft = parse_draft(headers.get(DRAFT), mode=mode, positions=activation.shape[1], prefix=prefix)
     return ForwardRequest(
         activation=activation,
         mode=mode,
@@ -283,7 +316,24 @@ def parse_forward(
         prefix=prefix,
         take_prefix=take_prefix,
         history=history,
+        draft=draft,
     )
+
+
+def parse_draft(raw: str | None, *, mode: str | None, positions: int, prefix: str | None) -> tuple[int, ...] | None:
+    """A verify step's drafted ids: one for each position after the first, on a decode step of a held session."""
+    if raw is None:
+        return None
+    if mode != "decode" or prefix is not None:
+        raise BadRequest(f"{DRAFT} goes with {CACHE}: decode of a held session, without {PREFIX}", param=DRAFT)
+    parts = raw.split(",")
+    if len(parts) > MAX_DRAFT or not all(p.strip().isascii() and p.strip().isdigit() and len(p.strip()) <= 9
+                                        for p in parts):
+        raise BadRequest(f"{DRAFT} must be 1-{MAX_DRAFT} token ids, got {raw[:60]!r}", param=DRAFT)
+    if len(parts) != positions - 1:
+        raise BadRequest(f"{DRAFT} names {len(parts)} drafted tokens; a step of {positions} positions carries "
+                         f"{positions - 1}", param=DRAFT)
+    return tuple(int(p) for p in parts)
 
 
 def _parse_prefix(headers, *, mode: str | None, session_id: str | None) -> tuple[str | None, bool]:
@@ -318,6 +368,7 @@ def forward_headers(
     prefix: str | None = None,
     take_prefix: bool = False,
     history: History | None = None,
+    draft: tuple[int, ...] | list[int] | None = None,
 ) -> dict[str, str]:
     """Headers for one hop of a step, the client side of :func:`parse_forward` (``history``: its bytes go after
     the activation's, see :meth:`History.to_bytes`)."""
@@ -336,4 +387,6 @@ def forward_headers(
         headers[PREFIX_MODE] = "take" if take_prefix else "fork"
     if history is not None:
         headers[HISTORY] = history.header()
+    if draft:
+        headers[DRAFT] = ",".join(map(str, draft))
     return headers

@@ -103,6 +103,7 @@ class Hop:
     end_layer: int
     kv_cache: bool = True
     local: bool = False  # the head's own layers: no HTTP
+    verifies: bool = False  # takes verify steps (speculative decoding): says "speculation" in its status
 
     @property
     def layers(self) -> int:
@@ -210,6 +211,7 @@ class NodeStatus:
     memory: MemoryInfo = field(default_factory=MemoryInfo)
     context_length: int = 0  # tokens the model can attend to, prompt and answer together; 0: not reported
     max_tokens_cap: int = 0  # the most new tokens a chat request may ask this node (as head) for; 0: not reported
+    speculation: bool = False  # takes verify steps of drafted tokens and cuts them back (X-Meshnet-Draft)
 
     @property
     def layers(self) -> str:
@@ -415,6 +417,9 @@ class GenerationStats:
     token_ids: list[int] = field(default_factory=list)
     step_ms: list[float] = field(default_factory=list)  # wall time of each token after the first
     decode_hops: list[HopTotals] = field(default_factory=list)  # per node of the route
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and sent to be verified
+    accepted_tokens: int = 0  # ... of which the tail kept (each verify step also yields one token of its own)
+    verify_steps: int = 0
 
     @property
     def decode_tokens_per_second(self) -> float | None:

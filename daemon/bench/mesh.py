@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from daemon.api import auth_headers
 from daemon.api.launch import LOOPBACK, MeshdProcess, free_port, node_url, stop_all
+from daemon.bench.delay import DelayProxy
 from daemon.bench.progress import Progress
 from daemon.bench.reference import PROMPT
 
@@ -27,10 +28,11 @@ class Mesh:
     """meshd processes on 127.0.0.1, the first one the head; stopped by :meth:`stop`.
 
     ``specs``: per node, its inclusive layer range and extra arguments; ``node_args`` go to every node.
+    ``hop_rtt_ms``: every node but the head is reached through a :class:`DelayProxy` with that round trip.
     """
 
     def __init__(self, name: str, specs: list[tuple[str, list[str]]], model: str | None = None,
-                 threads: int | None = None, node_args: list[str] = ()) -> None:
+                 threads: int | None = None, node_args: list[str] = (), hop_rtt_ms: float = 0.0) -> None:
         self.name, self.specs, self.model, self.threads = name, specs, model, threads
         # a mesh with a key (the daemons inherit MESHNET_API_KEY or MESHNET_TOKEN) wants it on every request
         key = os.environ.get("MESHNET_API_KEY") or os.environ.get("MESHNET_TOKEN")
@@ -40,11 +42,16 @@ class Mesh:
         ports = [free_port() for _ in self.specs]
         self.port = ports[0]
         self.ports = ports
+        self.proxies = [DelayProxy(port, hop_rtt_ms) for port in ports[1:]] if hop_rtt_ms > 0 else []
+        # what the nodes call each other: through the proxies, the head directly (a client reaches it here)
+        urls = [node_url(LOOPBACK, ports[0])] + ([node_url(LOOPBACK, p.port) for p in self.proxies] if self.proxies
+                                                 else [node_url(LOOPBACK, p) for p in ports[1:]])
         for i, ((layers, extra), port) in enumerate(zip(self.specs, ports)):
             args = ["--layers", layers, "--port", str(port), *node_args, *extra]
             args += ["--model", self.model] if self.model else []
             args += ["--threads", str(self.threads)] if self.threads else []
-            args += [a for p in ports if p != port for a in ("--peer", node_url(LOOPBACK, p))]
+            args += ["--public-url", urls[i]] if self.proxies else []
+            args += [a for j, url in enumerate(urls) if j != i for a in ("--peer", url)]
             self.procs.append(MeshdProcess(args, label=f"{self.name} node {layers}",
                                            log_path=self.log_dir / f"{self.name.replace(' ', '-')}-{i}.log"))
         deadline = time.monotonic() + 180
@@ -147,6 +154,8 @@ class Mesh:
     def stop(self) -> None:
         """SIGINT every node, give them 15 s together, then SIGKILL what is left."""
         stop_all(self.procs, signum=signal.SIGINT, grace=15.0)
+        for proxy in self.proxies:
+            proxy.close()
 
 
 def _peak_rss_bytes(pid: int) -> int | None:
@@ -183,6 +192,9 @@ def mesh_row(stats: dict) -> dict:
         "local_overhead_ms_per_step": (sum(h["latency_ms"] - h["compute_ms"] for h in local) / local_steps
                                        if local_steps else None),
         "hops": stats["decode_hops"],
+        "drafted_tokens": stats.get("drafted_tokens", 0),
+        "accepted_tokens": stats.get("accepted_tokens", 0),
+        "verify_steps": stats.get("verify_steps", 0),
     }
 
 

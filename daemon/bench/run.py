@@ -29,6 +29,7 @@ from pathlib import Path
 
 import daemon.bench.llama_cpp as llama_cpp
 import daemon.bench.real_size as real_size
+import daemon.bench.speculation as speculation
 from daemon.bench.floor import loopback_floor
 from daemon.bench.mesh import Mesh, paired_sessions
 from daemon.bench.progress import say
@@ -37,7 +38,8 @@ from daemon.bench.report import check_targets, machine, print_table, window_tps
 from daemon.bench.reuse import REUSE_BY_USER, USER_TURNS, client_messages, clients_at_once, multiturn_chat
 from daemon.host import host_cores
 
-SETUPS = ("generate", "one", "llama.cpp", "cached", "stateless", "three", "multiturn", "shared-prefix", "real-size")
+SETUPS = ("generate", "one", "llama.cpp", "cached", "stateless", "three", "multiturn", "shared-prefix", "real-size",
+          "speculation")
 PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8")
 # a precision's compute dtype and quantization: int8 weights with float32 activations, which a CPU node's native
 # decode steps take (daemon.model.decode.NativeSteps; with bfloat16 activations they run torch's ops)
@@ -98,10 +100,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="run each generate and cached row this many times and keep the fastest, against "
                         "a noisy host; each mesh run is paired with a generate run just before it, and each "
                         "many-session run with a one-session run (the slow stateless rows run once; default 1)")
+    parser.add_argument("--hop-rtt-ms", type=float, nargs="+", default=[0.0, 10.0, 40.0],
+                        help="speculation setup: the round trips put on every remote hop, one row each "
+                        "(default 0 10 40)")
+    parser.add_argument("--draft-model", default="built-in", help="speculation setup: the head's draft model "
+                        "(default built-in, as meshd's --draft-model)")
+    parser.add_argument("--draft-quantize", default="int8", help="speculation setup: its --draft-quantize "
+                        "(default int8; 'none' for none)")
+    parser.add_argument("--draft-max", type=int, default=4, help="speculation setup: its --draft-max (default 4)")
     parser.add_argument("--json", default="bench-results/bench.json", help="where to write the results")
     args = parser.parse_args(argv)
     chosen = args.setups is not None
-    args.setups = args.setups or [s for s in SETUPS if s != "real-size"]
+    args.setups = args.setups or [s for s in SETUPS if s not in ("real-size", "speculation")]
     if min(args.tokens) < 2:
         parser.error("--tokens must be at least 2 (one prefill, one decode step)")
     if args.repeat < 1:
@@ -149,9 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     sessions: list[dict] = []
     multiturn: list[dict] = []
     shared_prefix: list[dict] = []
+    speculating: list[dict] = []
     for precision in precisions:
         _measure_precision(args, folder, precision, meshes, rows, sessions)
         _measure_reuse(args, folder, precision, meshes["cached"][1], multiturn, shared_prefix)
+        if "speculation" in args.setups:
+            draft = ["--draft-model", args.draft_model, "--draft-max", str(args.draft_max)]
+            draft += ["--draft-quantize", args.draft_quantize] if args.draft_quantize != "none" else []
+            speculating += speculation.measure(
+                meshes["three"][1], args.model, args.threads, _node_args(args, precision) + ["--prefix-reuse", "off"],
+                rtts=args.hop_rtt_ms, draft=draft, tokens=max(args.tokens), times=args.repeat, precision=precision)
     shapes = _measure_real_size(args, cores) if "real-size" in args.setups else []
     order = [name for name, _ in meshes.values()]
     rows.sort(key=lambda r: (precisions.index(r["precision"]), r["new_tokens"],
@@ -165,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = check_targets(rows, info.hidden_size, multiturn=multiturn, shared_prefix=shared_prefix,
                            sessions=sessions, shapes=shapes)
     print_table(rows, sessions, checks, floor, multiturn=multiturn, shared_prefix=shared_prefix, shapes=shapes)
+    speculation.print_rows(speculating)
     host["load_average_at_end"] = os.getloadavg()
     out = {
         "machine": host,
@@ -172,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads_per_daemon": args.threads or "adaptive (meshd default)",
         "rows": rows, "sessions": sessions, "targets": checks, "loopback_floor": floor,
         "turn_tokens": args.turn_tokens, "multiturn": multiturn, "shared_prefix": shared_prefix,
-        "real_size": shapes,
+        "real_size": shapes, "speculation": speculating,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))

@@ -9,6 +9,10 @@ is re-prefilled there under the same session id, so the client sees the same
 tokens and no error. A route with a node that does not cache runs stateless
 (the full sequence every step); a tail that returns no ``token_id`` (an older
 node) makes every step a prefill.
+
+With a drafter (``--draft-model``, :mod:`daemon.mesh.speculation`) a decode step may carry drafted tokens
+after the newest one: a verify step, which yields every drafted token the tail agrees with and one more.
+The next step's ``past_len`` tells the nodes how many of the verify step's positions to keep.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from daemon.api import GenerationStats, Hop, Sampling
 from daemon.errors import BadRequest, CacheMiss, HopFailed, UpstreamError
 from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.prefix import PrefixIndex, Reuse
+from daemon.mesh.speculation import DraftSession, SpeculationPolicy
 from daemon.mesh.text import TextStream
 
 MAX_FAILOVERS = 8  # per generation: a mesh that keeps failing is an error, not a loop
@@ -53,7 +58,7 @@ class HeadBackend(Protocol):
     async def local_step(self, activation: wire.Activation | None, *, mode: str | None, session_id: str,
                          past_len: int, start_layer: int, hop_index: int, sampling: Sampling | None,
                          token_ids: list[int] | None = None, prefix: Reuse | None = None,
-                         history: wire.History | None = None) -> HopReply:
+                         history: wire.History | None = None, draft: list[int] | None = None) -> HopReply:
         """Run the head's own layers; with ``token_ids`` (a first hop) embed them in the same step."""
 
     def decode(self, token_ids: list[int]) -> str: ...
@@ -73,6 +78,8 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks, golden tests)
     reuse: Reuse | None = None  # start from a session the route's nodes hold (see daemon.mesh.prefix)
+    drafter: DraftSession | None = None  # speculative decoding: proposes tokens to verify (closed at the end)
+    max_draft: int = 0  # the most tokens one verify step carries
 
 
 @dataclass
@@ -96,12 +103,14 @@ async def run_step(
     prefix: Reuse | None = None,
     on_hop: Callable[[Hop, float, HopReply], None] | None = None,
     history: wire.History | None = None,
+    draft: list[int] | None = None,
 ) -> HopReply:
     """Embed ``token_ids`` and pass the step along ``route``; the last hop answers with a token.
 
     The head's own first hop embeds inside its step (one hand-off to the torch thread, no bytes).
     ``prefix``: every hop first makes the session from that one (an extend step after a reused prefix).
     ``on_hop(hop, total_ms, reply)`` is told each hop's latency and answer. ``history`` goes to the tail.
+    ``draft``: a verify step, whose last ``len(draft)`` positions are these drafted tokens (every hop is told).
     """
     reply = HopReply(activation=None if route[0].local else await backend.embed(token_ids))
     for index, hop in enumerate(route):
@@ -115,6 +124,7 @@ async def run_step(
                 reply.activation, mode=mode, session_id=session_id, past_len=past_len,
                 start_layer=hop.start_layer, hop_index=index, sampling=tail_sampling,
                 token_ids=None if index else token_ids, prefix=prefix, history=history if tail else None,
+                draft=draft,
             )
         else:
             headers = wire.forward_headers(
@@ -122,7 +132,7 @@ async def run_step(
                 start_layer=hop.start_layer, hop_index=index,
                 sampling=tail_sampling.to_wire() if tail_sampling else None,
                 prefix=prefix.source if prefix else None, take_prefix=bool(prefix and prefix.take),
-                history=history if tail else None,
+                history=history if tail else None, draft=draft,
             )
             reply = await client.step(hop, reply.activation, headers, history if tail else None)
         if on_hop is not None:
@@ -176,6 +186,15 @@ class GenerationLoop:
         self.decode_started = 0.0
         self.last_token_at = 0.0
         self.decode_steps = 0
+        self.drafter = request.drafter if self.cached else None
+        self.policy = SpeculationPolicy(request.max_draft) if self.drafter is not None else None
+        self._verifying = False  # the step under way carries drafts
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the next decode step may carry drafts: a drafter, and every node of the route verifies."""
+        return self.policy is not None and self.mode == "decode" and self.reuse is None \
+            and all(hop.verifies for hop in self.route)
 
     async def run(self) -> AsyncIterator[TokenEvent]:
         """Step until the answer ends (end of sequence, a stop string, ``max_tokens``), yielding its text."""
@@ -190,10 +209,11 @@ class GenerationLoop:
             while len(self.generated) < request.max_tokens:
                 if self.mode == "decode" and self.decode_steps and self.decode_steps % REROUTE_CHECK_STEPS == 0:
                     self._reroute()
-                feed = self.ids[self.past_len:] if self.mode == "decode" else self.ids
                 step_started = time.perf_counter()
+                draft = await self._draft() if self.speculating else []
+                feed = (self.ids[self.past_len:] if self.mode == "decode" else self.ids) + draft
                 try:
-                    reply = await self._step(feed)
+                    reply = await self._step(feed, draft)
                 except CacheMiss as miss:
                     self._cache_miss(miss)
                     continue
@@ -202,35 +222,58 @@ class GenerationLoop:
                     continue
                 self._count_step(len(feed), step_started)
                 if reply.token_id is None:
-                    event, done = self._took_older_tail_text(reply)
+                    replies = [reply]
+                elif draft:
+                    replies = self._verified(reply, draft, step_started)
                 else:
-                    event, done = self._took_token(reply)
-                self._time_token()
-                if done or self.stream.stopped:
-                    stats.finish_reason = "stop"
-                    if event.text or event.logprob is not None:
-                        yield event
-                    return
-                yield event
+                    if self.policy is not None and self.mode == "decode" and self.generated:
+                        self.policy.observe(0, 0, (time.perf_counter() - step_started) * 1000.0)
+                    replies = [reply]
+                for answer in replies:
+                    event, done = (self._took_older_tail_text(answer) if answer.token_id is None
+                                   else self._took_token(answer))
+                    self._time_token()
+                    if done or self.stream.stopped:
+                        stats.finish_reason = "stop"
+                        if event.text or event.logprob is not None:
+                            yield event
+                        return
+                    yield event
+                    if len(self.generated) >= request.max_tokens:
+                        break
             stats.finish_reason = "length"
             tail = self.stream.finish()
             if tail:
                 yield TokenEvent(-1, tail)
         finally:
+            if request.drafter is not None:
+                request.drafter.close()
             self._end()
 
-    async def _step(self, feed: list[int]) -> HopReply:
+    async def _step(self, feed: list[int], draft: list[int]) -> HopReply:
         sampling = self.request.sampling
         history = wire.History(self.penalized_prompt, tuple(self.stats.token_ids)) if sampling.penalized else None
+        self._verifying = bool(draft)
         return await run_step(
             self.backend, self.client, self.route, feed, mode=self.mode, session_id=self.session_id,
             past_len=self.past_len, sampling=sampling, prefix=self.reuse, on_hop=self._observe, history=history,
+            draft=draft or None,
         )
 
+    async def _draft(self) -> list[int]:
+        """Tokens to verify with the next step: as many as the policy chooses, none past the answer's or the
+        context's end (a verify step yields up to one more than it drafts)."""
+        left = self.request.max_tokens - len(self.generated) - 1
+        k = self.policy.choose(min(left, wire.MAX_DRAFT))
+        if k <= 0:
+            return []
+        return list(await self.drafter.propose(list(self.ids), k))[:k]
+
     def _observe(self, hop: Hop, total_ms: float, reply: HopReply) -> None:
-        # an extend step computes the prompt's new tokens: measured as a prefill, not as a one-token decode
-        self.router.observe(hop, mode="prefill" if self.reuse is not None else self.mode, total_ms=total_ms,
-                            compute_ms=reply.compute_ms)
+        # an extend step computes the prompt's new tokens: measured as a prefill, not as a one-token decode;
+        # a verify step is neither, and the route's cost is not measured on it
+        mode = "prefill" if self.reuse is not None else "verify" if self._verifying else self.mode
+        self.router.observe(hop, mode=mode, total_ms=total_ms, compute_ms=reply.compute_ms)
         if self.generated:  # a step after the first token: what each further token costs on each hop
             totals = self.stats.hop_totals(hop)
             totals.steps += 1
@@ -272,6 +315,22 @@ class GenerationLoop:
         if done:  # the end-of-sequence token is no part of the answer
             return TokenEvent(-1, self.stream.finish()), True
         return TokenEvent(token_id, self.stream.push(token_id), reply.logprob, reply.top_logprobs), False
+
+    def _verified(self, reply: HopReply, draft: list[int], step_started: float) -> list[HopReply]:
+        """A verify step's answer: the drafted tokens the tail kept and its own next token, each to be taken as a
+        step's token; the nodes drop the rest of the step's positions when the next step says how many they keep."""
+        tokens = reply.tokens
+        if not tokens or len(tokens) > len(draft) + 1 or any(t.token_id != d for t, d in zip(tokens[:-1], draft)):
+            raise UpstreamError(f"the tail ({self.route[-1].url}) answered a verify step of {len(draft)} drafts "
+                                f"with {len(tokens or [])} tokens that do not follow them")
+        kept = len(tokens) - 1
+        stats = self.stats
+        stats.verify_steps += 1
+        stats.drafted_tokens += len(draft)
+        stats.accepted_tokens += kept
+        self.policy.observe(len(draft), kept, (time.perf_counter() - step_started) * 1000.0)
+        return [HopReply(token_id=t.token_id, text=t.text, logprob=t.logprob, top_logprobs=t.top_logprobs)
+                for t in tokens]
 
     def _took_older_tail_text(self, reply: HopReply) -> tuple[TokenEvent, bool]:
         """An older tail answered text without a token id: re-tokenize everything, and prefill every step."""

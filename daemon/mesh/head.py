@@ -25,6 +25,7 @@ from daemon.mesh.generation import GenerationLoop, GenerationRequest, TokenEvent
 from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.planner import RoutePlanner
 from daemon.mesh.prefix import PrefixIndex, Reuse
+from daemon.mesh.speculation import Drafter
 from daemon.mesh.transport import HopTransport
 from daemon.metrics import Metrics
 
@@ -120,6 +121,7 @@ class HeadSettings:
     max_tokens_cap: int = 4096
     prefix_reuse: str = "shared"  # shared, client or off (see daemon.mesh.prefix)
     max_model_len: int | None = None  # --max-model-len: a context cap below the model's (None: the model's)
+    max_draft: int = 4  # --draft-max: the most tokens one verify step carries
 
 
 class Head:
@@ -139,6 +141,7 @@ class Head:
         self.prefixes = PrefixIndex(policy=settings.prefix_reuse)
         self._hops: HopClient | None = None
         self._stopping = False
+        self.drafter: Drafter | None = None  # --draft-model: speculative decoding (daemon.mesh.speculation)
 
     @property
     def context_length(self) -> int:
@@ -194,7 +197,8 @@ class Head:
                      f" ({reuse.keep} held by session {reuse.source})" if reuse else "", max_tokens,
                      " -> ".join(f"{h.url}@{h.start_layer}" for h in route))
             loop_request = GenerationRequest(prompt_ids, max_tokens, sampling, request.stop, request.ignore_eos,
-                                             reuse=reuse)
+                                             reuse=reuse, max_draft=self.settings.max_draft,
+                                             drafter=self.drafter.session() if self.drafter else None)
             backend = _LocalBackend(self.own, tokenizer, wire_dtype=self.settings.wire_dtype)
             events = GenerationLoop(backend, self._hop_client(), self.planner, route, loop_request, stats=stats,
                                     index=index).run()
@@ -286,17 +290,20 @@ class _LocalBackend:
 
     async def local_step(self, activation: wire.Activation | None, *, mode, session_id, past_len, start_layer,
                          hop_index, sampling: Sampling | None, token_ids: list[int] | None = None,
-                         prefix: Reuse | None = None, history: wire.History | None = None) -> HopReply:
+                         prefix: Reuse | None = None, history: wire.History | None = None,
+                         draft: list[int] | None = None) -> HopReply:
         if token_ids is not None:  # embedded in the step itself: the activation is only its dtype and shape
             activation = wire.Activation(self._wire_dtype, (1, len(token_ids), self.hidden_size), b"")
         request = wire.ForwardRequest(
             activation=activation, mode=mode, session_id=session_id, past_len=past_len,
             start_layer=start_layer, hop_index=hop_index, sampling=sampling.to_wire() if sampling else {},
             prefix=prefix.source if prefix else None, take_prefix=bool(prefix and prefix.take), history=history,
+            draft=tuple(draft) if draft else None,
         )
         reply = await self._own.forward(request, token_ids=token_ids)
         return HopReply(activation=reply.activation, token_id=reply.token_id, text=reply.text,
-                        compute_ms=reply.compute_ms, logprob=reply.logprob, top_logprobs=reply.top_logprobs)
+                        compute_ms=reply.compute_ms, logprob=reply.logprob, top_logprobs=reply.top_logprobs,
+                        tokens=reply.tokens)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids)

@@ -33,6 +33,7 @@ class HopReply:
     compute_ms: float | None = None  # the node's own time on the step, as it reports
     logprob: float | None = None  # the tail's, when the sampling asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # best first
+    tokens: list[wire.TokenChoice] | None = None  # a verify step's: the accepted drafts and one more
     payload_bytes: int = 0  # activation bytes sent to a remote hop
     sent_bytes: int = 0  # the whole request on the wire: request line, headers, body
     received_bytes: int = 0  # the whole response: status line, headers, body
@@ -94,6 +95,8 @@ class HopClient:
                 raise UpstreamError(f"{hop.url} sent neither activations nor a token")
             reply = HopReply(token_id=token.get("token_id"), text=token.get("text", ""), compute_ms=compute_ms)
             reply.logprob, reply.top_logprobs = _logprobs(token)
+            if "tokens" in token:
+                reply.tokens = _tokens(token["tokens"], hop.url)
         reply.payload_bytes = len(activation.data)
         reply.sent_bytes, reply.received_bytes = resp.sent_bytes, resp.received_bytes
         return reply
@@ -139,6 +142,21 @@ def _logprobs(token: dict) -> tuple[float | None, list[tuple[int, float]] | None
     pairs = [(p[0], float(p[1])) for p in top
              if isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], (int, float))]
     return float(logprob), pairs
+
+
+def _tokens(raw, url: str) -> list[wire.TokenChoice]:
+    """A verify step's tokens, each a ``{"token_id", "text"[, "logprob", "top_logprobs"]}``."""
+    if not isinstance(raw, list) or not raw or len(raw) > wire.MAX_DRAFT + 1:
+        raise UpstreamError(f"{url} answered a verify step with a malformed token list")
+    tokens = []
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("token_id"), int) \
+                or isinstance(item.get("token_id"), bool):
+            raise UpstreamError(f"{url} answered a verify step with a malformed token")
+        logprob, top = _logprobs(item)
+        text = item.get("text")
+        tokens.append(wire.TokenChoice(item["token_id"], text if isinstance(text, str) else "", logprob, top))
+    return tokens
 
 
 def _json_or_empty(body: bytes) -> dict:

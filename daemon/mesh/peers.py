@@ -142,6 +142,7 @@ class PeerDirectory:
                 start=p.status["start"],
                 end=p.status["end"],
                 kv_cache=bool(p.status.get("kv_cache_enabled") and p.status.get("supports_kv_cache")),
+                verifies=p.status.get("speculation") is True,
                 busy=_share(p.status.get("busy")),
             )
             for p in self.peers.values()

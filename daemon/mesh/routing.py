@@ -25,6 +25,7 @@ class Candidate:
     end: int
     kv_cache: bool = True
     local: bool = False
+    verifies: bool = False  # takes verify steps (speculative decoding)
     busy: float = 0.0  # the share of recent time the node spent computing, 0..1, as it reports
 
 
@@ -59,7 +60,7 @@ def plan_route(candidates: list[Candidate], num_layers: int, cost: HopCost = uni
             key = (total + step, hops + 1, nonlocal_ + (not c.local), stateless + (not c.kv_cache))
             current = best.get(c.end)
             if current is None or _rounded(key) < _rounded(current[0]):
-                best[c.end] = (key, chain + [Hop(c.url, position, c.end, c.kv_cache, c.local)])
+                best[c.end] = (key, chain + [Hop(c.url, position, c.end, c.kv_cache, c.local, c.verifies)])
     if num_layers in best:
         return best[num_layers][1]
     reached = max(p for p in best if p <= num_layers)

@@ -34,6 +34,8 @@ from torch import nn
 
 from daemon.model.kvcache import GrowingLayer
 
+MAX_ROWS = 16  # positions one native step takes (gemv.c's MAX_ROWS)
+
 # decoder layers whose one-position forward is LlamaDecoderLayer's: pre-norm attention and gated MLP
 LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer"})
 _NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm"})
@@ -127,6 +129,14 @@ class FastDecoder:
     def fits(self, start_layer: int) -> bool:
         return bool(self._bound) and start_layer in self._bound
 
+    def run_rows(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor], cache,
+                 start_layer: int) -> torch.Tensor | None:
+        """A few new positions (``hidden [1, T, hidden]``, T up to :data:`MAX_ROWS`: a verify step) as native
+        steps, or None where they cannot run natively (the caller then runs the layers' own forward)."""
+        if self._native is None or cache is None or hidden.dtype != torch.float32 or hidden.shape[1] > MAX_ROWS:
+            return None
+        return self._native.run(hidden, position_embeddings, cache.layers, start_layer, self.end)
+
     def cache_fits(self, cache, start_layer: int, past_len: int) -> bool:
         """Whether ``cache`` (None: stateless, from position 0) keeps every hosted layer in a :class:`GrowingLayer`
         holding exactly the ``past_len`` positions before this one (layers that ignored the cache filled none)."""
@@ -189,9 +199,9 @@ class NativeSteps:
         self._lib, self._layers, self._keep = lib, layers, keep  # keep: tensors the structs point into
         self._sizes = sizes  # hidden, heads, kv heads, head dim, intermediate
         hidden_size, heads, kv_heads, head_dim, inter = sizes
-        # the floats of work a step needs besides its attention scores (heads * positions)
-        self._fixed_work = (hidden_size + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * inter
-                            + lib.q8_floats(max(hidden_size, inter)))
+        # the floats of work each position of a step needs besides its attention scores (heads * positions)
+        self._row_work = (hidden_size + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * inter
+                          + lib.q8_floats(max(hidden_size, inter)))
         self._work = torch.empty(0)
 
     @classmethod
@@ -226,29 +236,32 @@ class NativeSteps:
 
     def run(self, hidden: torch.Tensor, position_embeddings, cache_layers, start_layer: int,
             end: int) -> torch.Tensor | None:
-        """Layers ``[start_layer, end)`` over ``hidden [1, 1, hidden]``, keys and values written into the caches;
-        None (nothing done) where a layer's cache holds nothing yet to grow from."""
-        rooms = [cache_layers[i].reserve(1) for i in range(start_layer, end)]
+        """Layers ``[start_layer, end)`` over ``hidden [1, T, hidden]`` (T up to :data:`MAX_ROWS`: the positions
+        after those cached, each attending to those before it and itself), keys and values written into the
+        caches; None (nothing done) where a layer's cache holds nothing yet to grow from. Each position's outputs
+        are the ones it would have alone: a verify step's rows are its one-position steps' exactly."""
+        rows = hidden.shape[1]
+        rooms = [cache_layers[i].reserve(rows) for i in range(start_layer, end)]
         # the library writes each new key and value at [head, position] of a contiguous float32 buffer: anything
         # else (a layer with nothing cached yet to grow from) goes the layers' own way, with nothing reserved
         if not all(room is not None and all(b.is_contiguous() and b.dtype == torch.float32 for b in room)
                    for room in rooms):
             for i, room in zip(range(start_layer, end), rooms):
                 if room is not None:
-                    cache_layers[i].crop(-1)
+                    cache_layers[i].crop(-rows)
             return None
         cos, sin = (t.reshape(-1).contiguous() for t in position_embeddings)
         hidden_size, heads = self._sizes[:2]
-        position = cache_layers[start_layer].get_seq_length() - 1  # the new position's index
-        work = self._fixed_work + heads * (position + 1)
+        position = cache_layers[start_layer].get_seq_length() - rows  # the first new position's index
+        work = rows * self._row_work + heads * (position + rows)
         if self._work.numel() < work:
             self._work = torch.empty(work + 1024 * heads)
         out = hidden.reshape(-1).clone()  # the layers write into it, layer after layer
         lib, work_ptr = self._lib, self._work.data_ptr()
         for i, (keys, values) in zip(range(start_layer, end), rooms):
             lib.llama_layer(ctypes.byref(self._layers[i]), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                            keys.data_ptr(), values.data_ptr(), keys.shape[-2], position, work_ptr)
-        return out.view(1, 1, hidden_size)
+                            keys.data_ptr(), values.data_ptr(), keys.shape[-2], position, rows, work_ptr)
+        return out.view(1, rows, hidden_size)
 
 
 def _native_matrix(module: nn.Module, keep: list[torch.Tensor]):

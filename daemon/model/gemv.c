@@ -355,15 +355,21 @@ struct layer {
     long hidden, heads, kv_heads, head_dim, inter;
 };
 
-/* y_i = m_i x for up to three matrices sharing the input x, their rows shared out among the threads
- * together, four at a time; int8 matrices take x quantized into `q8` (meshnet_q8_floats of the longest x) */
-static void products(const struct matrix *const *ms, float *const *ys, int count, const float *x, float *q8) {
-    struct row xr = {x, {0}, NULL};
+/* y_i[m] = m_i x[m] for up to three matrices sharing the inputs x ([rows, cols]), their outputs shared out among
+ * the threads together, four at a time, every input row against a block while it is in the cache; int8 matrices
+ * take each row of x quantized into `q8` (rows * meshnet_q8_floats of the longest x) */
+static void products(const struct matrix *const *ms, float *const *ys, int count, const float *x, long rows,
+                     float *q8) {
+    struct row xr[MAX_ROWS];
     int quantized = 0;
+    const long cols = ms[0]->cols;
     for (int i = 0; i < count; i++) quantized |= ms[i]->kind == W_INT8;
-    if (quantized) {
-        xr.q = q8_at(q8, ms[0]->cols);
-        quantize_q8(x, ms[0]->cols, F32, &xr.q);
+    for (long m = 0; m < rows; m++) {
+        xr[m].f = x + m * cols, xr[m].h = NULL;
+        if (quantized) {
+            xr[m].q = q8_at(q8 + m * Q8_FLOATS(cols), cols);
+            quantize_q8(x + m * cols, cols, F32, &xr[m].q);
+        }
     }
     long total = 0;
     for (int i = 0; i < count; i++) total += (ms[i]->rows + 3) / 4;
@@ -372,12 +378,14 @@ static void products(const struct matrix *const *ms, float *const *ys, int count
         long b = t;
         int i = 0;
         while (b >= (ms[i]->rows + 3) / 4) b -= (ms[i++]->rows + 3) / 4;
-        const struct matrix *m = ms[i];
-        const long r0 = b * 4;
-        const int n = m->rows - r0 < 4 ? (int)(m->rows - r0) : 4;
-        float v[4];
-        block(m->kind, m->w, m->scale, r0, n, &xr, m->cols, v);
-        for (int j = 0; j < n; j++) ys[i][r0 + j] = m->bias ? v[j] + m->bias[r0 + j] : v[j];
+        const struct matrix *mat = ms[i];
+        const long r0 = b * 4, out = mat->rows;
+        const int n = out - r0 < 4 ? (int)(out - r0) : 4;
+        for (long m = 0; m < rows; m++) {
+            float v[4];
+            block(mat->kind, mat->w, mat->scale, r0, n, &xr[m], mat->cols, v);
+            for (int j = 0; j < n; j++) ys[i][m * out + r0 + j] = mat->bias ? v[j] + mat->bias[r0 + j] : v[j];
+        }
     }
 }
 
@@ -402,52 +410,63 @@ static void rotate(float *x, const float *cos, const float *sin, long d) {
     }
 }
 
-/* `hidden` [L->hidden] in place; `keys`/`values` [kv_heads, capacity, head_dim]; `work` holds hidden + 2 * heads *
- * head_dim + 2 * kv_heads * head_dim + 2 * inter + meshnet_q8_floats(max(hidden, inter)) + heads * (pos + 1) floats */
+/* `rows` new positions pos..pos+rows-1 (at most MAX_ROWS) of one sequence: `hidden` [rows, L->hidden] in place,
+ * `cos`/`sin` [rows, head_dim]; `keys`/`values` [kv_heads, capacity, head_dim]; each position attends to the
+ * positions up to its own. `work` holds rows * (hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * inter
+ * + meshnet_q8_floats(max(hidden, inter))) + heads * (pos + rows) floats */
 void meshnet_llama_layer(const struct layer *L, float *hidden, const float *cos, const float *sin, float *keys,
-                         float *values, long capacity, long pos, float *work) {
-    const long H = L->hidden, D = L->head_dim, heads = L->heads, kvh = L->kv_heads, I = L->inter;
-    float *x = work, *q = x + H, *k = q + heads * D, *v = k + kvh * D, *att = v + kvh * D, *g = att + heads * D;
-    float *u = g + I, *q8 = u + I, *scores = q8 + Q8_FLOATS(H > I ? H : I);
-    const long n = pos + 1, group = heads / kvh;
+                         float *values, long capacity, long pos, long rows, float *work) {
+    const long H = L->hidden, D = L->head_dim, heads = L->heads, kvh = L->kv_heads, I = L->inter, T = rows;
+    float *x = work, *q = x + T * H, *k = q + T * heads * D, *v = k + T * kvh * D, *att = v + T * kvh * D;
+    float *g = att + T * heads * D, *u = g + T * I, *q8 = u + T * I, *scores = q8 + T * Q8_FLOATS(H > I ? H : I);
+    const long most = pos + T, group = heads / kvh;
+    if (T < 1 || T > MAX_ROWS) return;
 
-    rms_norm(hidden, L->norm_in, L->eps_in, x, H);
+    for (long m = 0; m < T; m++) rms_norm(hidden + m * H, L->norm_in, L->eps_in, x + m * H, H);
     const struct matrix *qkv[3] = {&L->q, &L->k, &L->v};
     float *qkv_out[3] = {q, k, v};
-    products(qkv, qkv_out, 3, x, q8);
-    for (long h = 0; h < heads; h++) rotate(q + h * D, cos, sin, D);
-    for (long h = 0; h < kvh; h++) {
-        rotate(k + h * D, cos, sin, D);
-        memcpy(keys + (h * capacity + pos) * D, k + h * D, D * sizeof(float));
-        memcpy(values + (h * capacity + pos) * D, v + h * D, D * sizeof(float));
+    products(qkv, qkv_out, 3, x, T, q8);
+    for (long m = 0; m < T; m++) {
+        const float *c = cos + m * D, *s = sin + m * D;
+        for (long h = 0; h < heads; h++) rotate(q + (m * heads + h) * D, c, s, D);
+        for (long h = 0; h < kvh; h++) {
+            rotate(k + (m * kvh + h) * D, c, s, D);
+            memcpy(keys + (h * capacity + pos + m) * D, k + (m * kvh + h) * D, D * sizeof(float));
+            memcpy(values + (h * capacity + pos + m) * D, v + (m * kvh + h) * D, D * sizeof(float));
+        }
     }
 #pragma omp parallel for schedule(static)
     for (long h = 0; h < heads; h++) {
-        const float *qh = q + h * D, *K = keys + (h / group) * capacity * D, *V = values + (h / group) * capacity * D;
-        float *s = scores + h * n, *out = att + h * D, top = -INFINITY, sum = 0.f;
-        for (long t = 0; t < n; t++) {
-            s[t] = dot_f32(K + t * D, qh, D) * L->scaling;
-            if (s[t] > top) top = s[t];
-        }
-        for (long t = 0; t < n; t++) sum += (s[t] = expf(s[t] - top));
-        for (long j = 0; j < D; j++) out[j] = 0.f;
-        for (long t = 0; t < n; t++) {
-            const float p = s[t] / sum, *vt = V + t * D;
-            for (long j = 0; j < D; j++) out[j] += p * vt[j];
+        const float *K = keys + (h / group) * capacity * D, *V = values + (h / group) * capacity * D;
+        float *s = scores + h * most;
+        for (long m = 0; m < T; m++) {
+            const float *qh = q + (m * heads + h) * D;
+            float *out = att + (m * heads + h) * D, top = -INFINITY, sum = 0.f;
+            const long n = pos + m + 1;
+            for (long t = 0; t < n; t++) {
+                s[t] = dot_f32(K + t * D, qh, D) * L->scaling;
+                if (s[t] > top) top = s[t];
+            }
+            for (long t = 0; t < n; t++) sum += (s[t] = expf(s[t] - top));
+            for (long j = 0; j < D; j++) out[j] = 0.f;
+            for (long t = 0; t < n; t++) {
+                const float p = s[t] / sum, *vt = V + t * D;
+                for (long j = 0; j < D; j++) out[j] += p * vt[j];
+            }
         }
     }
     const struct matrix *o[1] = {&L->o};
     float *o_out[1] = {x};
-    products(o, o_out, 1, att, q8);
-    for (long i = 0; i < H; i++) hidden[i] += x[i];
+    products(o, o_out, 1, att, T, q8);
+    for (long i = 0; i < T * H; i++) hidden[i] += x[i];
 
-    rms_norm(hidden, L->norm_post, L->eps_post, x, H);
+    for (long m = 0; m < T; m++) rms_norm(hidden + m * H, L->norm_post, L->eps_post, x + m * H, H);
     const struct matrix *gu[2] = {&L->gate, &L->up};
     float *gu_out[2] = {g, u};
-    products(gu, gu_out, 2, x, q8);
-    for (long i = 0; i < I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    products(gu, gu_out, 2, x, T, q8);
+    for (long i = 0; i < T * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     const struct matrix *down[1] = {&L->down};
     float *down_out[1] = {x};
-    products(down, down_out, 1, g, q8);
-    for (long i = 0; i < H; i++) hidden[i] += x[i];
+    products(down, down_out, 1, g, T, q8);
+    for (long i = 0; i < T * H; i++) hidden[i] += x[i];
 }

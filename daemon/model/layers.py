@@ -27,7 +27,7 @@ from daemon.model.batching import (
     batched_attention,
     head_rows,
 )
-from daemon.model.decode import FastDecoder
+from daemon.model.decode import MAX_ROWS, FastDecoder
 
 # Which mask each attention type gets, as the models' own forwards build them.
 MASK_BUILDERS = {
@@ -77,8 +77,11 @@ class DecoderLayers:
     # ---- one sequence ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run_layers(self, hidden: torch.Tensor, *, start_layer: int, past_len: int, cache) -> torch.Tensor:
-        """Run layers ``[start_layer, end)`` over ``hidden [1, T, hidden]`` at positions ``past_len..``."""
+    def run_layers(self, hidden: torch.Tensor, *, start_layer: int, past_len: int, cache,
+                   as_steps: bool = False) -> torch.Tensor:
+        """Run layers ``[start_layer, end)`` over ``hidden [1, T, hidden]`` at positions ``past_len..``. With
+        ``as_steps`` (a verify step) a few positions may run as native one-position steps do, each position's
+        outputs exactly those it would have alone."""
         q_len = hidden.shape[1]
         position_ids = torch.arange(past_len, past_len + q_len, device=hidden.device).unsqueeze(0)  # [1, T]
         hosted = range(start_layer, self.end)
@@ -89,6 +92,12 @@ class DecoderLayers:
             fast = self.fast_decoder()
             if fast.fits(start_layer) and fast.cache_fits(cache, start_layer, past_len):
                 return fast.run(hidden, position_embeddings["full_attention"], cache, start_layer)
+        elif as_steps and 1 < q_len <= MAX_ROWS and cache is not None:
+            fast = self.fast_decoder()
+            if fast.fits(start_layer) and fast.cache_fits(cache, start_layer, past_len):
+                out = fast.run_rows(hidden, position_embeddings["full_attention"], cache, start_layer)
+                if out is not None:
+                    return out
         layers = self._layers
         # stateless calls pass no cache arguments at all: layers that reject them still run
         cache_kwargs = {"cache": cache, "use_cache": True} if cache is not None else {}

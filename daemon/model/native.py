@@ -72,7 +72,7 @@ class Library:
         self.gemv_int8.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
         self.gemv_int8.restype = None
         self.llama_layer = lib.meshnet_llama_layer
-        self.llama_layer.argtypes = [ctypes.POINTER(Layer), _P, _P, _P, _P, _P, _L, _L, _P]
+        self.llama_layer.argtypes = [ctypes.POINTER(Layer), _P, _P, _P, _P, _P, _L, _L, _L, _P]
         self.llama_layer.restype = None
         self.q8_floats = lib.meshnet_q8_floats
         self.q8_floats.argtypes = [_L]

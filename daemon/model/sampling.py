@@ -103,3 +103,25 @@ def sample_token(logits: torch.Tensor, params: Sampling, position: int, history:
         scores = MinPLogitsWarper(float(params.min_p))(None, scores[None])[0]
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)).item())
+
+
+def verify_draft(logits: torch.Tensor, params: Sampling, past_len: int, history: History | None,
+                 draft: tuple[int, ...]) -> list[Choice]:
+    """A verify step's tokens from ``logits [k+1, vocab]`` (row i: the position after ``past_len + i``), for the
+    ``k`` drafted tokens ``draft``: position after position, each chosen exactly as a step of its own would choose
+    it (its position's seed, the drafted tokens before it in the answer so far), up to and including the first that
+    differs from the draft.
+
+    A drafted token is kept exactly when it is the token that position samples. For a deterministic draft that is
+    the standard speculative rule (accept ``d`` with probability ``p(d)``, else sample ``p`` without ``d``), so the
+    tokens follow the target's own distribution, and are the very tokens of single steps with the same seed.
+    """
+    choices: list[Choice] = []
+    generated = history.generated if history is not None else ()
+    for i in range(logits.shape[0]):
+        seen = History(history.prompt, generated + draft[:i]) if history is not None else None
+        choice = choose_token(logits[i], params, past_len + i + 1, seen)
+        choices.append(choice)
+        if i == len(draft) or choice.token_id != draft[i]:
+            break
+    return choices

@@ -167,8 +167,10 @@ class ShardService:
         if done.out is not None:
             return wire.ForwardReply(activation=done.out, compute_ms=compute_ms)
         result = done.result
+        tokens = None if result.tokens is None else [
+            wire.TokenChoice(t.token_id, t.text, t.logprob, t.top_logprobs) for t in result.tokens]
         return wire.ForwardReply(token_id=result.token_id, text=result.text, compute_ms=compute_ms,
-                                 logprob=result.logprob, top_logprobs=result.top_logprobs)
+                                 logprob=result.logprob, top_logprobs=result.top_logprobs, tokens=tokens)
 
     def _run_jobs(self, jobs: list[Job]) -> list[Computed | Exception]:
         """A batch the queue took, on the torch thread: each job's outcome, a failure its own."""
@@ -204,6 +206,7 @@ class ShardService:
             prefix=request.prefix,
             take_prefix=request.take_prefix,
             history=request.history,
+            draft=request.draft,
         )
         seconds = time.perf_counter() - started
         # the reply travels in the dtype the request came in, serialised here rather than on the event loop
@@ -213,7 +216,7 @@ class ShardService:
     def _in_chunks(self, request: wire.ForwardRequest) -> bool:
         """Whether a step is a prompt longer than a step's token budget, on a node keeping its session."""
         return (request.mode in ("prefill", "decode") and self.shard.sessions is not None
-                and request.activation.shape[1] > self.step_tokens)
+                and request.activation.shape[1] > self.step_tokens and request.draft is None)
 
     def _compute_chunk(self, job: Job) -> Computed | object:
         """The next ``step_tokens`` of a long prompt: :data:`AGAIN` until the last, then the whole step's outcome

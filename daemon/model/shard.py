@@ -8,7 +8,8 @@ acts as head, the final norm and LM head where it is the tail; and it has probed
 
 - :meth:`ModelShard.step`: prefill, decode (against the session's cache in the store) or stateless;
 - :meth:`ModelShard.step_batch`: one-position decode steps of several sessions as one forward;
-- on the tail, the token sampled from the last position's logits.
+- on the tail, the token sampled from the last position's logits; after a verify step (speculative decoding,
+  :mod:`daemon.model.speculation`) the tokens of its positions up to the first that differs from the draft.
 
 The layer math itself (masks, rotary embeddings, the layers, logits) is :class:`daemon.model.layers.DecoderLayers`.
 """
@@ -33,7 +34,8 @@ from daemon.model.experts import use_decode_experts
 from daemon.model.kvcache import cache_nbytes, cut_back
 from daemon.model.layers import MASK_BUILDERS, DecoderLayers
 from daemon.model.quantize import parameter_bytes
-from daemon.model.sampling import choose_token
+from daemon.model.sampling import choose_token, verify_draft
+from daemon.model.speculation import Resumed, prepare_verify, resume
 from daemon.model.tokenizer import ChatTokenizer
 from daemon.wire import History
 
@@ -69,6 +71,7 @@ class StepResult:
     text: str | None = None
     logprob: float | None = None  # when the sampling asks for them
     top_logprobs: list[tuple[int, float]] | None = None
+    tokens: list[StepResult] | None = None  # a verify step's: the drafted tokens the tail agrees with, and one more
 
 
 class ModelShard(DecoderLayers):
@@ -231,15 +234,25 @@ class ModelShard(DecoderLayers):
         prefix: str | None = None,
         take_prefix: bool = False,
         history: History | None = None,
+        draft: tuple[int, ...] | None = None,
     ) -> StepResult:
         """One /forward step: ``mode`` is ``"prefill"``, ``"decode"`` or ``None`` (stateless). A decode step
         over several positions extends the session; with ``prefix`` the session is first made from the first
-        ``past_len`` positions of that session's cache (copied, or taken over with ``take_prefix``)."""
+        ``past_len`` positions of that session's cache (copied, or taken over with ``take_prefix``). With
+        ``draft`` it is a verify step: its positions can be taken back by the next step's ``past_len``, and the
+        tail answers the tokens of its positions up to the first that differs from ``draft``."""
         self._check_start_layer(start_layer)
         cache = None
+        resumed = None
         if mode == "decode":
-            cache = self._session_cache(session_id, past_len=past_len, start_layer=start_layer, prefix=prefix,
+            entry = self._session_entry(session_id, past_len=past_len, start_layer=start_layer, prefix=prefix,
                                         take_prefix=take_prefix)
+            cache = entry.cache
+            try:
+                resumed = resume(cache, entry.undo, held=entry.past_len, past_len=past_len)
+            except BaseException:
+                self.sessions.drop(session_id)  # half cut back: a later decode must miss
+                raise
         elif mode == "prefill":
             past_len = 0
             if self.sessions is not None:
@@ -247,11 +260,13 @@ class ModelShard(DecoderLayers):
         else:
             past_len = 0
         return self._run_step(hidden, cache=cache, mode=mode, session_id=session_id, past_len=past_len,
-                              start_layer=start_layer, sampling=sampling, history=history)
+                              start_layer=start_layer, sampling=sampling, history=history, draft=draft,
+                              resumed=resumed)
 
-    def _session_cache(self, session_id: str, *, past_len: int, start_layer: int, prefix: str | None = None,
+    def _session_entry(self, session_id: str, *, past_len: int, start_layer: int, prefix: str | None = None,
                        take_prefix: bool = False):
-        """The cache a decode step of ``session_id`` continues, or :class:`CacheMiss` saying why there is none."""
+        """The session entry a decode step of ``session_id`` continues, or :class:`CacheMiss` saying why there is
+        none."""
         if self.sessions is None:
             if self._stats_store is not None:
                 self._stats_store.record_miss("cache_disabled")
@@ -259,17 +274,32 @@ class ModelShard(DecoderLayers):
         if prefix is not None:
             self.sessions.derive(session_id, prefix, keep=past_len, start_layer=start_layer, take=take_prefix,
                                  cut=cut_back, nbytes=cache_nbytes)
-        return self.sessions.checkout(session_id, past_len=past_len, start_layer=start_layer).cache
+        return self.sessions.checkout(session_id, past_len=past_len, start_layer=start_layer)
 
     def _run_step(self, hidden: torch.Tensor, *, cache, mode: str | None, session_id: str | None, past_len: int,
-                  start_layer: int, sampling: Sampling, history: History | None = None) -> StepResult:
+                  start_layer: int, sampling: Sampling, history: History | None = None,
+                  draft: tuple[int, ...] | None = None, resumed: Resumed | None = None) -> StepResult:
         new_len = past_len + hidden.shape[1]
+        resumed = resumed or Resumed(past_len)
+        undo = None
         try:
-            out = self.run_layers(hidden, start_layer=start_layer, past_len=past_len, cache=cache)
+            if draft is not None:
+                resumed, undo = prepare_verify(cache, resumed, hidden, lambda replay, at: self.run_layers(
+                    replay, start_layer=start_layer, past_len=at, cache=cache))
+            replayed = 0 if resumed.replay is None else resumed.replay.shape[1]
+            if replayed:  # positions taken back and kept: run again from their inputs, ahead of the step's own
+                hidden = torch.cat([resumed.replay, hidden], dim=1)
+            out = self.run_layers(hidden, start_layer=start_layer, past_len=resumed.past_len, cache=cache,
+                                  as_steps=draft is not None and not replayed)
+            if replayed:
+                out = out[:, replayed:]
             result = StepResult(hidden=out)
             if self.is_tail:
                 # sampled on the host, whatever the device: the draw at a position is the same on every node
-                result = self._token(self.logits_last(out).cpu(), sampling, new_len, history)
+                if draft is None:
+                    result = self._token(self.logits_last(out).cpu(), sampling, new_len, history)
+                else:
+                    result = self._verified(self.logits_rows(out).cpu(), sampling, past_len, history, draft)
         except BaseException:
             if mode == "decode":  # the cache may hold part of this step now: a later decode must miss
                 self.sessions.drop(session_id)
@@ -280,8 +310,21 @@ class ModelShard(DecoderLayers):
                 self.sessions.put(session_id, cache, past_len=new_len, start_layer=start_layer,
                                   nbytes=cache_nbytes(cache))
             else:
-                self.sessions.commit(session_id, past_len=new_len, nbytes=cache_nbytes(cache))
+                self.sessions.commit(session_id, past_len=new_len,
+                                     nbytes=cache_nbytes(cache) + (undo.nbytes if undo else 0),
+                                     undo=undo, rewind_from=past_len)
         return result
+
+    def _verified(self, logits: torch.Tensor, sampling: Sampling, past_len: int, history: History | None,
+                  draft: tuple[int, ...]) -> StepResult:
+        """A verify step's answer from ``logits [k+1, vocab]``: the drafted tokens the tail agrees with and one
+        more (:func:`daemon.model.sampling.verify_draft`), the last also as the step's own token."""
+        tokens = [StepResult(token_id=c.token_id, text=self.tokenizer.token_text(c.token_id), logprob=c.logprob,
+                             top_logprobs=c.top_logprobs)
+                  for c in verify_draft(logits, sampling, past_len, history, draft)]
+        last = tokens[-1]
+        return StepResult(token_id=last.token_id, text=last.text, logprob=last.logprob,
+                          top_logprobs=last.top_logprobs, tokens=tokens)
 
     def step_batch(self, steps: Sequence[DecodeStep], *, start_layer: int) -> list[StepResult | Exception]:
         """One-position decode steps of several sessions as one forward (:mod:`daemon.model.batching`), each
@@ -289,12 +332,26 @@ class ModelShard(DecoderLayers):
         self._check_start_layer(start_layer)
         outcomes: list[StepResult | Exception | None] = [None] * len(steps)
         ready: list[tuple[int, object]] = []
+        alone: list[tuple[int, object, Resumed]] = []  # sessions taken back that run kept positions again
         for i, step in enumerate(steps):
             try:
-                ready.append((i, self._session_cache(step.session_id, past_len=step.past_len,
-                                                     start_layer=start_layer, prefix=step.prefix,
-                                                     take_prefix=step.take_prefix)))
+                entry = self._session_entry(step.session_id, past_len=step.past_len, start_layer=start_layer,
+                                            prefix=step.prefix, take_prefix=step.take_prefix)
+                resumed = resume(entry.cache, entry.undo, held=entry.past_len, past_len=step.past_len)
             except (CacheMiss, BadRequest) as exc:
+                outcomes[i] = exc
+                continue
+            if resumed.replay is None:
+                ready.append((i, entry.cache))
+            else:
+                alone.append((i, entry.cache, resumed))
+        for i, cache, resumed in alone:
+            step = steps[i]
+            try:
+                outcomes[i] = self._run_step(step.hidden, cache=cache, mode="decode", session_id=step.session_id,
+                                             past_len=step.past_len, start_layer=start_layer,
+                                             sampling=step.sampling, history=step.history, resumed=resumed)
+            except Exception as exc:  # noqa: BLE001 - that session's error, reported to its request
                 outcomes[i] = exc
         if len(ready) == 1:  # the others missed: a single step, exactly as one arriving alone runs
             (i, cache), = ready

@@ -31,6 +31,10 @@ class ChatTokenizer:
             raise ModelUnavailable(f"cannot load the tokenizer from {folder}: {exc}") from None
         return cls(tokenizer, config=config, generation=read_generation_config(folder))
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token's text and id, special tokens included: two tokenizers with the same one agree."""
+        return self._tokenizer.get_vocab()
+
     def use_chat_template(self, template: str) -> None:
         """Render chats with ``template`` (Jinja, as in a model's tokenizer_config) instead of the model's."""
         self._tokenizer.chat_template = template

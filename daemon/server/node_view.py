@@ -55,6 +55,7 @@ class NodeView:
             tokens_served=service.tokens_served, generations=head.generations, tokens_generated=head.tokens_generated,
             dtype=service.dtype, device=str(service.shard.device), quantize=self.quantize,
             memory=service.memory(), context_length=head.context_length, max_tokens_cap=head.max_tokens_cap,
+            speculation=service.caches,
         )
 
     def sessions(self) -> SessionList:

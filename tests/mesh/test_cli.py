@@ -152,6 +152,10 @@ OPTION_CASES = [
     (["--ssl-ca-file", "/ca.pem"], "ssl_ca_file", "/ca.pem"),
     (["--served-model-name", "smol", "--served-model-name", "gpt-4o-mini"], "served_model_name",
      ["smol", "gpt-4o-mini"]),
+    (["--draft-model", "ngram"], "draft_model", "ngram"),
+    (["--draft-max", "6"], "draft_max", 6),
+    (["--draft-dtype", "float32"], "draft_dtype", "float32"),
+    (["--draft-quantize", "int8"], "draft_quantize", "int8"),
 ]
 
 

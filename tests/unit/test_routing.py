@@ -207,9 +207,9 @@ def test_route_cost_sums_hops_and_notices_vanished_nodes():
 
 
 def test_hop_carries_candidate_flags_and_to_dict():
-    route = plan_route([Candidate(A, 0, 30, kv_cache=False, local=True)], 30)
+    route = plan_route([Candidate(A, 0, 30, kv_cache=False, local=True, verifies=True)], 30)
     assert route[0].to_dict() == {
-        "url": A, "start_layer": 0, "end_layer": 30, "kv_cache": False, "local": True,
+        "url": A, "start_layer": 0, "end_layer": 30, "kv_cache": False, "local": True, "verifies": True,
     }
 
 
