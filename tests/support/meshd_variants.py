@@ -5,6 +5,7 @@
     python -m tests.support.meshd_variants no-prefix <meshd options>     # a node from before prefix reuse
     python -m tests.support.meshd_variants forgetful <meshd options>     # loses a session every 4th decode step of
                                                                          # a request whose X-Request-Id starts "forget-"
+    python -m tests.support.meshd_variants no-speculation <meshd options>  # a node from before verify steps
 
 The node is meshd's own (``daemon.cli.load_node``, ``node_app``, ``run``); only a middleware is added.
 """
@@ -74,6 +75,17 @@ def slow(milliseconds: int):
     return delay
 
 
+@web.middleware
+async def no_speculation(request: web.Request, handler):
+    """A node from before speculative decoding: its status says nothing of verify steps."""
+    response = await handler(request)
+    if request.path == "/v1/status" and response.status == 200:
+        status = json.loads(response.body)
+        status.pop("speculation", None)
+        return web.json_response(status)
+    return response
+
+
 def middleware_for(variant: str):
     if variant == "legacy-tail":
         return legacy_tail
@@ -81,9 +93,11 @@ def middleware_for(variant: str):
         return no_prefix
     if variant == "forgetful":
         return forgetful
+    if variant == "no-speculation":
+        return no_speculation
     if variant.startswith("slow-") and variant[5:].isdigit():
         return slow(int(variant[5:]))
-    raise SystemExit(f"unknown variant {variant!r}: legacy-tail, no-prefix, forgetful or slow-MS")
+    raise SystemExit(f"unknown variant {variant!r}: legacy-tail, no-prefix, forgetful, no-speculation or slow-MS")
 
 
 def main(argv: list[str]) -> int:
