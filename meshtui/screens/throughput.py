@@ -36,6 +36,10 @@ def generation_stats(record: GenerationRecord) -> Text:
                  if count]
         if moves:
             text.append(" · " + " · ".join(moves), style="bold yellow")
+        if stats.drafted_tokens:  # speculative decoding: how much of what the head drafted the tail kept
+            accepted = stats.accepted_tokens / stats.drafted_tokens
+            text.append(f" · {accepted:.0%} of {plural(stats.drafted_tokens, 'drafted token')} accepted",
+                        style="cyan")
     return text
 
 

@@ -337,6 +337,18 @@ async def test_the_console_sends_the_mesh_token_on_every_request(daemons):
     assert {given for _, given in head.authorizations + worker.authorizations} == {f"Bearer {TOKEN}"}
 
 
+async def test_the_throughput_view_shows_how_many_drafted_tokens_were_accepted(daemons):
+    head = await daemons(0, 30, stats={"drafted_tokens": 40, "accepted_tokens": 30, "verify_steps": 12})
+    app = MeshApp(ConsoleConfig(poll_seconds=0.2), head_url=head.url)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.state.nodes[head.url].up, "the node up")
+        await ask(pilot, "hi")
+        await wait_until(pilot, lambda: app.state.generations and app.state.generations[-1].finished, "the answer")
+        await pilot.press("f4")
+        await pilot.pause()
+        assert "75% of 40 drafted tokens accepted" in text_of(app.main.throughput_view.latest_stats)
+
+
 async def test_a_node_that_refuses_the_token_says_so(daemons):
     head = await daemons(0, 30, token=TOKEN)
     app = MeshApp(ConsoleConfig(poll_seconds=0.2), head_url=head.url)  # no token

@@ -179,3 +179,32 @@ def test_a_draft_model_with_another_tokenizer_is_refused_in_one_line(tiny_model,
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "another tokenizer" in errors[0], done.stderr
+
+
+@pytest.mark.slow
+def test_a_failover_mid_verify_prefills_only_what_was_accepted(default_model, reference_tokens, tmp_path):
+    """Two slow replicas of 15-29 (every step 150 ms later), so the kill lands while a verify step is on the wire."""
+    from tests.mesh.test_failover import Stream, holds_session, stop_all
+
+    r2 = Daemon(default_model, "15-29", log_dir=tmp_path, variant="slow-150")
+    r1 = Daemon(default_model, "15-29", log_dir=tmp_path, variant="slow-150", peers=[r2])
+    head = Daemon(default_model, "0-14", log_dir=tmp_path, peers=[r1, r2], extra=DRAFT)
+    daemons = [head, r1, r2]
+    try:
+        for d in daemons:
+            d.wait_ready()
+        head.wait_peers(2)
+        messages = HELD_OUT[2]
+        stream = Stream(head, {"messages": messages, "max_tokens": 48, "temperature": 0, "ignore_eos": True})
+        stream.read_tokens(8)
+        victim = next(r for r in (r1, r2) if holds_session(r, stream.session_id))
+        victim.kill()
+        stats = stream.finish()
+        assert "error" not in stats, stats
+        assert stats["token_ids"] == reference_tokens(messages, 48, ignore_eos=True)
+        assert stats["failovers"] == 1 and stats["verify_steps"] > 0
+        # the re-prefill computed the prompt and the accepted tokens so far, never a rejected draft
+        prompt = stats["prompt_tokens"]
+        assert prompt * 2 <= stats["prompt_computed_tokens"] < prompt * 2 + 48
+    finally:
+        stop_all(daemons)
