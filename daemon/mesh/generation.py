@@ -67,7 +67,7 @@ class HeadBackend(Protocol):
 
     def drop_local_session(self, session_id: str) -> None: ...
 
-    def retain_local_session(self, session_id: str) -> None: ...
+    def retain_local_session(self, session_id: str, past_len: int) -> None: ...
 
 
 @dataclass
@@ -419,9 +419,9 @@ class GenerationLoop:
             index.retain(self.session_id)
             for hop in self.route:
                 if hop.local:
-                    self.backend.retain_local_session(self.session_id)
+                    self.backend.retain_local_session(self.session_id, self.past_len)
                 else:
-                    self.client.retain(hop.url, self.session_id)
+                    self.client.retain(hop.url, self.session_id, self.past_len)
         else:
             if index is not None:
                 index.forget(self.session_id)

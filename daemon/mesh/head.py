@@ -67,7 +67,7 @@ class OwnLayers(Protocol):
 
     def drop_session(self, session_id: str) -> bool: ...
 
-    def retain_session(self, session_id: str) -> bool: ...
+    def retain_session(self, session_id: str, past_len: int | None = None) -> bool: ...
 
 
 @dataclass
@@ -314,5 +314,5 @@ class _LocalBackend:
     def drop_local_session(self, session_id: str) -> None:
         self._own.drop_session(session_id)
 
-    def retain_local_session(self, session_id: str) -> None:
-        self._own.retain_session(session_id)
+    def retain_local_session(self, session_id: str, past_len: int) -> None:
+        self._own.retain_session(session_id, past_len)

@@ -105,9 +105,11 @@ class HopClient:
         """Drop a session on a node the generation left (best effort, in the background)."""
         self._spawn(self._session_call("DELETE", f"{url.rstrip('/')}/v1/sessions/{session_id}"))
 
-    def retain(self, url: str, session_id: str) -> None:
-        """Keep a finished generation's session on a node as a prefix (best effort, in the background)."""
-        self._spawn(self._session_call("POST", f"{url.rstrip('/')}/v1/sessions/{session_id}/retain"))
+    def retain(self, url: str, session_id: str, past_len: int) -> None:
+        """Keep a finished generation's session on a node as a prefix, of the ``past_len`` positions the generation
+        kept (best effort, in the background)."""
+        where = f"{url.rstrip('/')}/v1/sessions/{session_id}/retain?past_len={past_len}"
+        self._spawn(self._session_call("POST", where))
 
     async def _session_call(self, method: str, url: str) -> None:
         try:

@@ -37,6 +37,7 @@ MAX_CHUNK_RESTARTS = 2  # a prefill whose session is evicted between its chunks 
 BUSY_WINDOW_SECONDS = 10.0  # the share of time spent computing is reported over this window
 
 StepObserver = Callable[[str | None, float], None]  # (mode, seconds) of every step run
+_SETTLING: set[asyncio.Future] = set()  # sessions being cut back before they are retained: referenced until done
 
 
 class ShardService:
@@ -313,9 +314,21 @@ class ShardService:
         self.queue.forget(session_id)
         return self.store.drop(session_id)
 
-    def retain_session(self, session_id: str) -> bool:
-        """Keep a finished generation's session as a prefix later requests can start from."""
+    def retain_session(self, session_id: str, past_len: int | None = None) -> bool:
+        """Keep a finished generation's session as a prefix later requests can start from; ``past_len``: the
+        positions its generation kept, which a session ending in a verify step is first cut back to (on the torch
+        thread, ahead of any later step; see :meth:`ModelShard.settle`)."""
         self.queue.forget(session_id)  # its generation ended: no more steps of it
+        entry = self.store.get(session_id)
+        if entry is None:
+            return False
+        if past_len is not None and entry.past_len != past_len and entry.can_rewind_to(past_len):
+            settling = asyncio.get_running_loop().run_in_executor(self.executor, self.shard.settle, session_id,
+                                                                  past_len)
+            settling.add_done_callback(lambda done: done.exception() is None and self.store.retain(session_id))
+            _SETTLING.add(settling)
+            settling.add_done_callback(_SETTLING.discard)
+            return True
         return self.store.retain(session_id)
 
 

@@ -263,6 +263,24 @@ class ModelShard(DecoderLayers):
                               start_layer=start_layer, sampling=sampling, history=history, draft=draft,
                               resumed=resumed)
 
+    def settle(self, session_id: str, past_len: int) -> None:
+        """Cut a session left by a verify step back to the ``past_len`` positions its generation kept (a crop, or
+        copied states and a replay of the kept positions), so a later request can continue it whole. A session
+        that holds exactly that, or cannot be cut back to it, is left as it is."""
+        entry = self.sessions.get(session_id) if self.sessions is not None else None
+        if entry is None or entry.past_len == past_len or not entry.can_rewind_to(past_len):
+            return
+        entry = self.sessions.checkout(session_id, past_len=past_len, start_layer=entry.start_layer)
+        try:
+            resumed = resume(entry.cache, entry.undo, held=entry.past_len, past_len=past_len)
+            if resumed.replay is not None:
+                self.run_layers(resumed.replay, start_layer=entry.start_layer, past_len=resumed.past_len,
+                                cache=entry.cache)
+        except BaseException:
+            self.sessions.drop(session_id)
+            raise
+        self.sessions.commit(session_id, past_len=past_len, nbytes=cache_nbytes(entry.cache))
+
     def _session_entry(self, session_id: str, *, past_len: int, start_layer: int, prefix: str | None = None,
                        take_prefix: bool = False):
         """The session entry a decode step of ``session_id`` continues, or :class:`CacheMiss` saying why there is

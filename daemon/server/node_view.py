@@ -66,9 +66,10 @@ class NodeView:
         """Forget a session's cache; False when there is none."""
         return self.service.drop_session(session_id)
 
-    def retain_session(self, session_id: str) -> bool:
-        """Keep an ended generation's session as a prefix later requests can start from; False when there is none."""
-        return self.service.retain_session(session_id)
+    def retain_session(self, session_id: str, past_len: int | None = None) -> bool:
+        """Keep an ended generation's session as a prefix later requests can start from, cut back to ``past_len``
+        positions where a verify step left more; False when there is none."""
+        return self.service.retain_session(session_id, past_len)
 
     def route(self, *, refresh: bool) -> RouteInfo:
         """The head's route, planned afresh when ``refresh`` or when there is none yet."""

@@ -42,7 +42,10 @@ async def drop_session(request: web.Request) -> web.Response:
 async def retain_session(request: web.Request) -> web.Response:
     """A head's generation ended: keep its session here as a prefix a later request can start from."""
     session_id = request.match_info["session_id"]
-    if not request.app[NODE].retain_session(session_id):
+    raw = request.query.get("past_len")
+    if raw is not None and not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
+        raise BadRequest(f"past_len must be a non-negative integer, got {raw[:40]!r}", param="past_len")
+    if not request.app[NODE].retain_session(session_id, int(raw) if raw is not None else None):
         raise NotFound(f"no session {session_id!r} on this node", param="session_id")
     return web.json_response({"retained": session_id})
 

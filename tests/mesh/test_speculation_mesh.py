@@ -208,3 +208,37 @@ def test_a_failover_mid_verify_prefills_only_what_was_accepted(default_model, re
         assert prompt * 2 <= stats["prompt_computed_tokens"] < prompt * 2 + 48
     finally:
         stop_all(daemons)
+
+
+
+@pytest.mark.slow
+def test_a_retained_session_is_cut_back_to_the_positions_its_generation_kept(tiny_model, tmp_path):
+    """Over HTTP, on a hybrid node: a verify step, then the head's retain with the kept length (a generation that
+    ended inside the step). The node replays the kept positions on its torch thread and keeps exactly those."""
+    import time as clock
+
+    from tests.mesh.test_forward_protocol import forward, random_hidden
+    from tests.support.headers import CACHE, PAST_LEN, SESSION
+    from tests.support.http_client import send
+
+    node = Daemon(tiny_model("qwen3_5"), "2-3", log_dir=tmp_path)
+    try:
+        node.wait_ready()
+        assert node.get("/v1/status")["speculation"] is True
+        assert forward(node.url, random_hidden(6), {SESSION: "s", CACHE: "prefill"}).status == 200
+        verify = forward(node.url, random_hidden(4, seed=1), {SESSION: "s", CACHE: "decode", PAST_LEN: "6",
+                                                                "X-Meshnet-Draft": "1,2,3"})
+        assert verify.status == 200 and 1 <= len(verify.json()["tokens"]) <= 4, verify
+        assert send("POST", node.url + "/v1/sessions/s/retain?past_len=x").status == 400
+        assert send("POST", node.url + "/v1/sessions/s/retain?past_len=7").status == 200
+        deadline = clock.monotonic() + 10
+        while clock.monotonic() < deadline:
+            held = {s["session_id"]: s for s in node.get("/v1/sessions")["sessions"]}["s"]
+            if held["retained"]:
+                break
+            clock.sleep(0.05)
+        assert held["retained"] and held["past_len"] == 7, held
+        # the session continues from there: a decode step at 7 is served, one at 10 (the verify step's end) misses
+        assert forward(node.url, random_hidden(1, seed=2), {SESSION: "s", CACHE: "decode", PAST_LEN: "7"}).status == 200
+    finally:
+        node.stop()

@@ -279,7 +279,7 @@ class FakeNode:
         self.session_infos = [s for s in self.session_infos if s.session_id != session_id]
         return len(self.session_infos) < before
 
-    def retain_session(self, session_id: str) -> bool:
+    def retain_session(self, session_id: str, past_len: int | None = None) -> bool:
         found = [s for s in self.session_infos if s.session_id == session_id]
         for info in found:
             info.retained = True

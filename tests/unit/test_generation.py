@@ -46,7 +46,7 @@ class OwnLayers:
     def drop_local_session(self, session_id: str) -> None:
         pass
 
-    def retain_local_session(self, session_id: str) -> None:
+    def retain_local_session(self, session_id: str, past_len: int) -> None:
         pass
 
 
@@ -70,7 +70,7 @@ class Tails:
     def release(self, url: str, session_id: str) -> None:
         self.released.append(url)
 
-    def retain(self, url: str, session_id: str) -> None:
+    def retain(self, url: str, session_id: str, past_len: int) -> None:
         pass
 
 

@@ -409,7 +409,7 @@ class FakeOwnLayers:
         self.dropped.append(session_id)
         return True
 
-    def retain_session(self, session_id):
+    def retain_session(self, session_id, past_len=None):
         self.retained.append(session_id)
         return True
 

@@ -277,6 +277,27 @@ def test_a_long_run_of_partly_kept_steps_replays_apart_past_the_held_inputs_boun
         assert entry.undo.inputs.shape[1] <= 6
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_settling_a_session_left_by_a_verify_step_keeps_only_what_the_generation_kept(shards, arch):
+    """A generation that ends inside a verify step (an end of sequence, a stop string) retains its session cut back
+    to the positions it kept, so the next turn can continue it whole; continuing it gives single steps' tokens."""
+    shard = shards(arch)
+    prompt = [11, 12, 13, 14, 15]
+    reference = greedy_steps(shard, prompt, 8)
+    greedy = Sampling()
+    shard.step(shard.embed(prompt), mode="prefill", session_id="end", past_len=0, start_layer=0, sampling=greedy)
+    draft = (reference[1], reference[2], (reference[3] + 1) % 49152)
+    verified = shard.step(shard.embed([reference[0], *draft]), mode="decode", session_id="end", past_len=5,
+                          start_layer=0, sampling=greedy, draft=draft)
+    assert [t.token_id for t in verified.tokens] == reference[:4][1:] and shard.sessions.get("end").past_len == 9
+    shard.settle("end", 7)  # the answer ended at reference[2]: positions 0-6 are what it kept
+    entry = shard.sessions.get("end")
+    assert entry.past_len == 7 and entry.undo is None
+    after = shard.step(shard.embed([reference[2]]), mode="decode", session_id="end", past_len=7, start_layer=0,
+                       sampling=greedy)
+    assert after.token_id == reference[3]
+
+
 def test_a_step_outside_the_verify_steps_positions_misses(shards):
     shard = shards("qwen3_next")
     prompt = [5, 6, 7, 8]
@@ -316,7 +337,7 @@ class VerifyingTail:
     def release(self, url, session_id) -> None:
         pass
 
-    def retain(self, url, session_id) -> None:
+    def retain(self, url, session_id, past_len) -> None:
         pass
 
 
