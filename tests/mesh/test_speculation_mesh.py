@@ -163,6 +163,7 @@ def test_hybrid_models_stay_exact_with_speculation_on(tiny_model, arch, tmp_path
             d.stop()
 
 
+@pytest.mark.slow
 def test_a_draft_model_with_another_tokenizer_is_refused_in_one_line(tiny_model, tmp_path):
     import json
     import shutil
