@@ -83,7 +83,7 @@ class DraftSession:
             self.cache = shard.new_cache()
         feed, past, drafts = ids[common:], common, []
         for _ in range(k):
-            out = shard.run_layers(shard.embed(feed), start_layer=0, past_len=past, cache=self.cache, as_steps=True)
+            out = shard.run_as_steps(shard.embed(feed), start_layer=0, past_len=past, cache=self.cache, exact=False)
             past += len(feed)
             token = int(torch.argmax(shard.logits_last(out)))
             drafts.append(token)

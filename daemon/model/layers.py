@@ -77,11 +77,8 @@ class DecoderLayers:
     # ---- one sequence ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run_layers(self, hidden: torch.Tensor, *, start_layer: int, past_len: int, cache,
-                   as_steps: bool = False) -> torch.Tensor:
-        """Run layers ``[start_layer, end)`` over ``hidden [1, T, hidden]`` at positions ``past_len..``. With
-        ``as_steps`` (a verify step) a few positions may run as native one-position steps do, each position's
-        outputs exactly those it would have alone."""
+    def run_layers(self, hidden: torch.Tensor, *, start_layer: int, past_len: int, cache) -> torch.Tensor:
+        """Run layers ``[start_layer, end)`` over ``hidden [1, T, hidden]`` at positions ``past_len..``."""
         q_len = hidden.shape[1]
         position_ids = torch.arange(past_len, past_len + q_len, device=hidden.device).unsqueeze(0)  # [1, T]
         hosted = range(start_layer, self.end)
@@ -92,12 +89,6 @@ class DecoderLayers:
             fast = self.fast_decoder()
             if fast.fits(start_layer) and fast.cache_fits(cache, start_layer, past_len):
                 return fast.run(hidden, position_embeddings["full_attention"], cache, start_layer)
-        elif as_steps and 1 < q_len <= MAX_ROWS and cache is not None:
-            fast = self.fast_decoder()
-            if fast.fits(start_layer) and fast.cache_fits(cache, start_layer, past_len):
-                out = fast.run_rows(hidden, position_embeddings["full_attention"], cache, start_layer)
-                if out is not None:
-                    return out
         layers = self._layers
         # stateless calls pass no cache arguments at all: layers that reject them still run
         cache_kwargs = {"cache": cache, "use_cache": True} if cache is not None else {}
@@ -113,6 +104,28 @@ class DecoderLayers:
                 **shared_kv,
             )
         return hidden
+
+    @torch.inference_mode()
+    def run_as_steps(self, hidden: torch.Tensor, *, start_layer: int, past_len: int, cache,
+                     exact: bool = True) -> torch.Tensor:
+        """Like :meth:`run_layers`, but each position's outputs (and what it leaves in ``cache``) exactly those of a
+        one-position step of its own: a verify step's positions, and positions run again after one, so speculative
+        decoding gives the very tokens of single steps. Natively in one call where these layers run native steps
+        (up to :data:`MAX_ROWS` positions: the products read each weight once for all of them), else one position
+        after another; or, not ``exact`` (a draft model's, whose rounding matters to nobody), as one forward."""
+        q_len = hidden.shape[1]
+        if 1 < q_len <= MAX_ROWS and cache is not None:
+            fast = self.fast_decoder()
+            if fast.fits(start_layer) and fast.cache_fits(cache, start_layer, past_len):
+                position_ids = torch.arange(past_len, past_len + q_len, device=hidden.device).unsqueeze(0)
+                rotary = self._rotary(hidden, position_ids, {"full_attention"})["full_attention"]
+                out = fast.run_rows(hidden, rotary, cache, start_layer)
+                if out is not None:
+                    return out
+        if q_len == 1 or not exact:
+            return self.run_layers(hidden, start_layer=start_layer, past_len=past_len, cache=cache)
+        return torch.cat([self.run_layers(hidden[:, i:i + 1], start_layer=start_layer, past_len=past_len + i,
+                                          cache=cache) for i in range(q_len)], dim=1)
 
     def fast_decoder(self) -> FastDecoder:
         """The one-position path through these layers (:mod:`daemon.model.decode`), bound on first use."""

@@ -274,8 +274,8 @@ class ModelShard(DecoderLayers):
         try:
             resumed = resume(entry.cache, entry.undo, held=entry.past_len, past_len=past_len)
             if resumed.replay is not None:
-                self.run_layers(resumed.replay, start_layer=entry.start_layer, past_len=resumed.past_len,
-                                cache=entry.cache)
+                self.run_as_steps(resumed.replay, start_layer=entry.start_layer, past_len=resumed.past_len,
+                                  cache=entry.cache)
         except BaseException:
             self.sessions.drop(session_id)
             raise
@@ -302,13 +302,14 @@ class ModelShard(DecoderLayers):
         undo = None
         try:
             if draft is not None:
-                resumed, undo = prepare_verify(cache, resumed, hidden, lambda replay, at: self.run_layers(
+                resumed, undo = prepare_verify(cache, resumed, hidden, lambda replay, at: self.run_as_steps(
                     replay, start_layer=start_layer, past_len=at, cache=cache))
             replayed = 0 if resumed.replay is None else resumed.replay.shape[1]
             if replayed:  # positions taken back and kept: run again from their inputs, ahead of the step's own
                 hidden = torch.cat([resumed.replay, hidden], dim=1)
-            out = self.run_layers(hidden, start_layer=start_layer, past_len=resumed.past_len, cache=cache,
-                                  as_steps=draft is not None and not replayed)
+            # a verify step's positions, and those run again after one, each exactly as a step of its own
+            run = self.run_as_steps if draft is not None or replayed else self.run_layers
+            out = run(hidden, start_layer=start_layer, past_len=resumed.past_len, cache=cache)
             if replayed:
                 out = out[:, replayed:]
             result = StepResult(hidden=out)

@@ -257,6 +257,33 @@ def test_verify_steps_that_keep_some_drafts_give_the_tokens_of_single_steps(shar
     assert 0 in kept and any(0 < k < 5 for k in kept)  # rejected at once, and cut back mid-step
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_a_verify_steps_outputs_are_bit_for_bit_those_of_single_steps(tiny_model, arch, dtype):
+    """On a shard that is not the tail: the hidden states a verify step passes on, row by row, are exactly those of
+    one-position steps, and so is the cache it leaves (the next step's outputs agree too), in either dtype."""
+    from daemon.model.checkpoint import read_model_info
+    from daemon.model.shard import ModelShard
+
+    folder = tiny_model(arch)
+    shard = ModelShard(folder, 0, read_model_info(folder).num_layers - 1, sessions=SessionCacheStore(),
+                       dtype=dtype)
+    greedy = Sampling()
+    prompt, new = shard.embed([7, 8, 9, 10, 11]), shard.embed([12, 13, 14, 15])
+    for session in ("one", "rows"):
+        shard.step(prompt, mode="prefill", session_id=session, past_len=0, start_layer=0, sampling=greedy)
+    singles = torch.cat([shard.step(new[:, i:i + 1], mode="decode", session_id="one", past_len=5 + i,
+                                    start_layer=0, sampling=greedy).hidden for i in range(4)], dim=1)
+    rows = shard.step(new, mode="decode", session_id="rows", past_len=5, start_layer=0, sampling=greedy,
+                      draft=(13, 14, 15)).hidden
+    assert torch.equal(rows, singles)
+    after = shard.embed([16])
+    assert torch.equal(shard.step(after, mode="decode", session_id="rows", past_len=9, start_layer=0,
+                                  sampling=greedy).hidden,
+                       shard.step(after, mode="decode", session_id="one", past_len=9, start_layer=0,
+                                  sampling=greedy).hidden)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_next", "llama"])
 def test_a_long_run_of_partly_kept_steps_replays_apart_past_the_held_inputs_bound(shards, arch, monkeypatch):
     import daemon.model.speculation as node_speculation
