@@ -18,6 +18,7 @@ terminal's Ctrl+C and hang-up reach the parent alone, which then stops its child
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import importlib.util
 import os
@@ -47,6 +48,18 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """``count`` different ports nobody listens on right now: each socket stays bound until all are chosen, so the
+    OS cannot hand out one of them twice (as separate :func:`free_port` calls may)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            s = held.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
+            s.bind((host, 0))
+            ports.append(s.getsockname()[1])
+        return ports
 
 
 def node_url(host: str, port: int) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from daemon.api import auth_headers
-from daemon.api.launch import LOOPBACK, MeshdProcess, free_port, node_url, stop_all
+from daemon.api.launch import LOOPBACK, MeshdProcess, free_ports, node_url, stop_all
 from daemon.bench.delay import DelayProxy
 from daemon.bench.progress import Progress
 from daemon.bench.reference import PROMPT
@@ -39,7 +39,7 @@ class Mesh:
         self.headers = {"Content-Type": "application/json"} | auth_headers(key)
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshd-bench-"))
         self.procs: list[MeshdProcess] = []
-        ports = [free_port() for _ in self.specs]
+        ports = free_ports(len(self.specs))
         self.port = ports[0]
         self.ports = ports
         self.proxies = [DelayProxy(port, hop_rtt_ms) for port in ports[1:]] if hop_rtt_ms > 0 else []

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from daemon.api.launch import free_port, node_url
+from daemon.api.launch import free_ports, node_url
 from daemon.bench.delay import DelayProxy
 from tests.support.meshd import Daemon, start_mesh
 
@@ -24,7 +24,7 @@ class WanMesh:
     """Nodes 0-9 (the head, drafting), 10-19 and 20-29; every node reached through a delay proxy but the head."""
 
     def __init__(self, model, log_dir, rtt_ms: float = 10.0, head_extra=DRAFT, tail_variant=None) -> None:
-        ports = [free_port() for _ in range(3)]
+        ports = free_ports(3)
         self.proxies = [DelayProxy(port, rtt_ms) for port in ports[1:]]
         urls = [node_url("127.0.0.1", ports[0])] + [node_url("127.0.0.1", p.port) for p in self.proxies]
         specs = [("0-9", list(head_extra), None), ("10-19", [], None), ("20-29", [], tail_variant)]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.api.launch import MeshdProcess, free_port, node_url
+from daemon.api.launch import MeshdProcess, free_port, free_ports, node_url
 from tests.support.http_client import bearer, http_json, send, stream_events
 
 
@@ -110,7 +110,7 @@ def start_mesh(model, specs: Sequence[tuple], *, peers: Sequence[Sequence[int]] 
     perhaps learned from its peers); stops them all if one fails.
     """
     daemons: list[Daemon] = []
-    ports = [free_port() for _ in specs]
+    ports = free_ports(len(specs))  # distinct: a node told of its own port would see itself, not its peer
     urls = [node_url("127.0.0.1", p) for p in ports]
     told = [[j for j in range(len(specs)) if j != i] for i in range(len(specs))] if peers is None else peers
     try:
