@@ -186,8 +186,8 @@ class GenerationLoop:
         self.decode_started = 0.0
         self.last_token_at = 0.0
         self.decode_steps = 0
-        self.drafter = request.drafter if self.cached else None
-        self.policy = SpeculationPolicy(request.max_draft) if self.drafter is not None else None
+        # speculative decoding needs caches that keep a verify step's positions
+        self.policy = SpeculationPolicy(request.max_draft) if request.drafter is not None and self.cached else None
         self._verifying = False  # the step under way carries drafts
 
     @property
@@ -267,7 +267,7 @@ class GenerationLoop:
         k = self.policy.choose(min(left, wire.MAX_DRAFT))
         if k <= 0:
             return []
-        return list(await self.drafter.propose(list(self.ids), k))[:k]
+        return list(await self.request.drafter.propose(list(self.ids), k))[:k]
 
     def _observe(self, hop: Hop, total_ms: float, reply: HopReply) -> None:
         # an extend step computes the prompt's new tokens: measured as a prefill, not as a one-token decode;

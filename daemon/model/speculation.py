@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from copy import deepcopy
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -48,13 +49,8 @@ class Undo:
 
         held = self.inputs.nbytes if self.inputs is not None else 0
         if self.states:
-            held += cache_nbytes(_Layers(list(self.states.values())))
+            held += cache_nbytes(SimpleNamespace(layers=list(self.states.values())))
         return held
-
-
-@dataclass
-class _Layers:
-    layers: list
 
 
 @dataclass
