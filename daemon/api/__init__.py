@@ -1,25 +1,21 @@
 """What meshd shows the outside: the JSON shapes of its endpoints, and the rules a client follows.
 
 The console imports nothing else from the daemon. No torch here, no aiohttp: the console must
-start fast. The shapes themselves live in :mod:`daemon.api.shapes`.
+start fast. The shapes themselves live in :mod:`daemon.api.shapes` and
+:mod:`daemon.api.routes`.
 """
 
 from __future__ import annotations
 
 import re
 
+from daemon.api.routes import GenerationStats, HopTotals, NodeMeasurement, RouteEvent, RouteHopInfo, RouteInfo
 from daemon.api.shapes import (
-    GenerationStats,
     Hop,
-    HopTotals,
     MemoryInfo,
     ModelSummary,
-    NodeMeasurement,
     NodeStatus,
     PeerSummary,
-    RouteEvent,
-    RouteHopInfo,
-    RouteInfo,
     Sampling,
     SessionInfo,
     SessionList,

@@ -16,7 +16,6 @@ The layer math itself (masks, rotary embeddings, the layers, logits) is :class:`
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ from daemon.model.checkpoint import buffers_to_device, build_skeleton, context_l
 from daemon.model.experts import use_decode_experts
 from daemon.model.kvcache import cache_nbytes, cut_back
 from daemon.model.layers import MASK_BUILDERS, DecoderLayers
+from daemon.model.probes import default_layer_type, probe_batching, probe_kv_cache, refuse_unsupported
 from daemon.model.quantize import parameter_bytes
 from daemon.model.sampling import choose_token, verify_draft
 from daemon.model.speculation import Resumed, prepare_verify, resume
@@ -40,14 +40,6 @@ from daemon.model.tokenizer import ChatTokenizer
 from daemon.wire import History
 
 log = logging.getLogger(__name__)
-
-# Config settings under which a layer needs more than the hidden states that travel between nodes
-_UNSHARDABLE_FEATURES = {
-    # Gemma 3n, Gemma 4 E2B / E4B
-    "hidden_size_per_layer_input": "its layers take per-layer embeddings of the token ids",
-    "num_kv_shared_layers": "its last layers reuse keys and values computed by earlier layers",
-}
-
 
 @dataclass
 class DecodeStep:
@@ -110,13 +102,13 @@ class ModelShard(DecoderLayers):
         self.dtype, self.device = dtype, torch.device(device)
         self.is_tail = end == n
         self.context_length = context_length(text)  # the most positions a step may reach
-        layer_types: list[str] = list(getattr(text, "layer_types", None) or [_default_layer_type(text)] * n)
+        layer_types: list[str] = list(getattr(text, "layer_types", None) or [default_layer_type(text)] * n)
         unknown = sorted(set(layer_types[start:end]) - set(MASK_BUILDERS))
         if unknown:
             raise ModelUnavailable(
                 f"unsupported architecture {self.info.model_type!r}: layer types {unknown} are not supported"
             )
-        _refuse_unsupported(config, text, self.info.model_type)
+        refuse_unsupported(config, text, self.info.model_type)
         self._head_lock = threading.Lock()
         # the layer math runs the skeleton's own modules, which loading fills in place
         super().__init__(build_skeleton(text, dtype, self.info.model_type), text, start, end, layer_types)
@@ -130,14 +122,14 @@ class ModelShard(DecoderLayers):
         self.tokenizer = ChatTokenizer.load(self.folder, self.config) if (head or self.is_tail) else None
         self._stats_store = sessions  # misses of a stateless node still show in its statistics
         self.sessions = sessions if kv_cache else None
-        self.supports_kv_cache = self._probe_kv_cache() if kv_cache else False
+        self.supports_kv_cache = probe_kv_cache(self) if kv_cache else False
         if kv_cache and not self.supports_kv_cache:
             log.warning("layers of %s reject the cache arguments; this node runs stateless", self.info.model_type)
             self.sessions = None
         # why decode steps of several sessions cannot run as one forward here; None when they can
         self.batch_refusal = batching_refusal(self.layer_types[start:end], caches=self.sessions is not None)
         if self.batch_refusal is None:
-            self.batch_refusal = self._probe_batching()
+            self.batch_refusal = probe_batching(self)
         if self.batch_refusal:
             log.info("sessions' steps run one at a time on this node: %s", self.batch_refusal)
 
@@ -422,70 +414,3 @@ class ModelShard(DecoderLayers):
                 f"start layer {start_layer} is outside this node's layers {self.start}-{self.end - 1}",
                 param="X-Meshnet-Start-Layer",
             )
-
-    # ---- load-time probes --------------------------------------------------------------------
-
-    def _probe_batching(self) -> str | None:
-        """Run two sessions' decode steps batched and alone; None when they agree, else why this shard must not
-        batch (raised, or differing by more than float rounding)."""
-        generator = torch.Generator().manual_seed(0)
-
-        def states(tokens: int) -> torch.Tensor:
-            return (torch.randn(1, tokens, self.info.hidden_size, generator=generator) * 0.5).to(self.dtype).to(
-                self.device)
-
-        prompts, steps = [states(3), states(5)], [states(1), states(1)]
-        try:
-            caches = [self.new_cache() for _ in prompts]
-            for cache, prompt in zip(caches, prompts):
-                self.run_layers(prompt, start_layer=self.start, past_len=0, cache=cache)
-            alone = [self.run_layers(step, start_layer=self.start, past_len=prompt.shape[1], cache=copy.deepcopy(c))
-                     for step, prompt, c in zip(steps, prompts, caches)]
-            positions = torch.tensor([[prompt.shape[1] for prompt in prompts]], device=self.device)
-            together = self.run_batch(torch.cat(steps, dim=1), start_layer=self.start, position_ids=positions,
-                                      caches=caches)
-        except Exception as exc:  # noqa: BLE001 - any failure means: run its steps one at a time
-            return f"a batched step failed on these layers ({type(exc).__name__}: {exc})"
-        want = torch.cat(alone, dim=1).float()
-        diff = (together.float() - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
-        if not diff <= 5e-2:  # a broken batched path is off by the states themselves; rounding by far less
-            return f"a batched step differs from single steps by {diff:.2g} of the hidden states' scale"
-        return None
-
-    def _probe_kv_cache(self) -> bool:
-        """Check once that the layers take and fill a cache; models that ignore it run stateless."""
-        hidden = torch.zeros(1, 2, self.info.hidden_size, dtype=self.dtype, device=self.device)
-        try:  # a failure without a cache is the architecture's, not the cache arguments'
-            self.run_layers(hidden, start_layer=self.start, past_len=0, cache=None)
-        except Exception as exc:  # noqa: BLE001 - whatever breaks, the user needs the same message
-            raise ModelUnavailable(f"unsupported architecture {self.info.model_type!r}: {exc}") from None
-        cache = self.new_cache()
-        try:
-            self.run_layers(hidden, start_layer=self.start, past_len=0, cache=cache)
-            self.run_layers(hidden[:, :1], start_layer=self.start, past_len=2, cache=cache)
-        except TypeError as exc:
-            log.warning("cache probe failed: %s", exc)
-            return False
-        return cache_nbytes(cache) > 0
-
-
-def _default_layer_type(text_config) -> str:
-    # Mistral-style configs without layer_types use one sliding window on every layer
-    return "sliding_attention" if getattr(text_config, "sliding_window", None) else "full_attention"
-
-
-def _refuse_unsupported(config, text_config, model_type: str) -> None:
-    """Refuse by name what a shard cannot run exactly: quantized weights, layers needing more than hidden states."""
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:  # FP8 or MXFP4 blocks read as plain floats would run, silently wrong
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
-        raise ModelUnavailable(
-            f"unsupported checkpoint of {model_type!r}: its weights are quantized ({method}); "
-            "a shard loads unquantized weights only (bfloat16, float16 or float32)"
-        )
-    needs = [why for setting, why in _UNSHARDABLE_FEATURES.items() if getattr(text_config, setting, None)]
-    if needs:
-        raise ModelUnavailable(
-            f"unsupported architecture {model_type!r}: {'; '.join(needs)}, but only hidden states travel "
-            "between nodes"
-        )
