@@ -16,8 +16,11 @@ distribution is the target's own.
 **How many to draft** (:class:`SpeculationPolicy`): the expected tokens a pass yields with k drafts,
 ``1 + a + a^2 + ... + a^k`` at the measured acceptance ``a``, against the measured cost of a pass with k
 drafts (a plain step, plus what each drafted position adds: drafting it and verifying it). The k with the
-best ratio wins, 0 included: on a fast route with poor acceptance the head drafts nothing and the stream is
-as fast as without speculation.
+best ratio wins, 0 included, and drafting must beat a plain step by ``MARGIN``: on a fast route with poor
+acceptance, or where verifying a position costs nearly a step of its own, the head drafts nothing and the
+stream is as fast as without speculation. The plain step it is weighed against is measured again every
+``REFRESH_EVERY`` verify steps (the first decode steps after a prompt run slower than the ones after them,
+and a cost measured once and kept made drafting look better than it was).
 
 Drafters (``--draft-model``): :class:`NgramDrafter` (prompt lookup, no model) here, and a small model in the
 head's process (:mod:`daemon.model.draft`).
@@ -25,11 +28,15 @@ head's process (:mod:`daemon.model.draft`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 from typing import Protocol
 
 MAX_NGRAM = 4  # the longest suffix prompt lookup tries to find again
 EXPLORE_EVERY = 16  # steps: with 0 drafts chosen, draft 1 this often, so a changed acceptance is seen
+PLAIN_SAMPLES = 3  # plain steps measured before the first draft
+REFRESH_EVERY = 16  # verify steps in a row after which one plain step measures the plain cost again
+MARGIN = 1.05  # the expected tokens per ms drafting must reach, over a plain step's: not noise's gains
 PRIOR_STEPS = 2.0  # pseudo-observations of acceptance 0.5 before any is measured
 DECAY = 0.95  # each verify step's weight against the ones before: the acceptance follows the text
 
@@ -99,6 +106,9 @@ class SpeculationPolicy:
     per_draft_ms: float | None = None  # ... of what one drafted token adds to a step (drafting and verifying)
     steps: int = 0
     verified: int = 0  # verify steps so far
+    plain_samples: int = 0
+    verified_in_a_row: int = 0  # verify steps since the last plain one
+    _first_plain: list[float] = field(default_factory=list, repr=False)
 
     @property
     def acceptance(self) -> float:
@@ -109,11 +119,11 @@ class SpeculationPolicy:
         """Drafts for the next step, at most ``limit`` (what is left of the answer and of the context)."""
         self.steps += 1
         most = min(self.max_draft, limit)
-        if most <= 0 or self.plain_ms is None:
-            return 0  # a plain step first: its time is what every choice is weighed against
+        if most <= 0 or self.plain_samples < PLAIN_SAMPLES:
+            return 0  # plain steps first: their time is what every choice is weighed against
         a = self.acceptance
         extra = self.per_draft_ms if self.per_draft_ms is not None else 0.15 * self.plain_ms
-        best, best_rate = 0, 1.0 / self.plain_ms
+        best, best_rate = 0, MARGIN / self.plain_ms
         expected = 1.0
         for k in range(1, most + 1):
             expected += a ** k
@@ -122,13 +132,22 @@ class SpeculationPolicy:
                 best, best_rate = k, rate
         if best == 0 and self.steps % EXPLORE_EVERY == 0:
             return 1
+        if best > 0 and self.verified_in_a_row >= REFRESH_EVERY:
+            return 0  # the plain step's time again
         return best
 
     def observe(self, drafted: int, kept: int, step_ms: float) -> None:
         """A step with ``drafted`` drafts (0: plain) of which the tail kept ``kept``, taking ``step_ms`` in all."""
         if drafted == 0:
-            self.plain_ms = _ema(self.plain_ms, step_ms)
+            # the first few: their median (the first decode steps after a prompt run slower than the rest);
+            # then a moving average weighting each new plain step half, as they are rare while drafting pays
+            self._first_plain.append(step_ms)
+            self.plain_samples += 1
+            self.plain_ms = (statistics.median(self._first_plain) if self.plain_samples <= PLAIN_SAMPLES
+                             else _ema(self.plain_ms, step_ms, weight=0.5))
+            self.verified_in_a_row = 0
             return
+        self.verified_in_a_row += 1
         # the tail checks drafts in order up to the first it rejects
         self.checked = self.checked * DECAY + min(kept + 1, drafted)
         self.accepted = self.accepted * DECAY + kept

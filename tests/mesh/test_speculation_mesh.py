@@ -141,6 +141,24 @@ def test_a_route_with_an_older_node_gets_no_verify_steps_and_the_same_answer(def
 
 
 @pytest.mark.slow
+def test_a_gguf_draft_model_is_converted_and_drafts_exactly(default_model, reference_tokens, tmp_path):
+    """``--draft-model FILE.gguf``: the built-in model's own GGUF file, converted whole as a node's range would be
+    and quantized to int8 on the head."""
+    from daemon.model.source import default_gguf_path
+
+    gguf = default_gguf_path()
+    assert gguf.is_file(), "the built-in model's GGUF is taken out of its wheel when the model is first resolved"
+    mesh = WanMesh(default_model, tmp_path, head_extra=["--draft-model", str(gguf), "--draft-quantize", "int8"])
+    try:
+        stats = chat(mesh.head, HELD_OUT[1], 32)
+        assert stats["token_ids"] == reference_tokens(HELD_OUT[1], 64, ignore_eos=True)[:32]
+        assert stats["verify_steps"] > 0 and stats["accepted_tokens"] > 0, stats
+        assert "speculative decoding: drafting up to 4 tokens with" in mesh.head.log()
+    finally:
+        mesh.stop()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
 def test_hybrid_models_stay_exact_with_speculation_on(tiny_model, arch, tmp_path):
     """Linear-attention layers on both nodes take rejected positions back from copies of their state: the draft

@@ -19,7 +19,7 @@ from daemon.errors import BadRequest, CacheMiss, UpstreamError
 from daemon.kvstore import SessionCacheStore
 from daemon.mesh.generation import GenerationLoop, GenerationRequest
 from daemon.mesh.hops import HopReply
-from daemon.mesh.speculation import EXPLORE_EVERY, SpeculationPolicy, lookup
+from daemon.mesh.speculation import EXPLORE_EVERY, PLAIN_SAMPLES, REFRESH_EVERY, SpeculationPolicy, lookup
 from daemon.model.sampling import sample_token, verify_draft
 from daemon.wire import History
 from tests.unit.test_generation import HEAD, PROMPT, R1, FixedRouter, OwnLayers
@@ -45,17 +45,24 @@ def test_lookup_drafts_nothing_without_a_repeat_and_at_most_k():
 # --- how many to draft -------------------------------------------------------------------------------------
 
 
-def test_the_policy_steps_plainly_until_a_plain_step_is_timed():
+def plain(policy: SpeculationPolicy, *times: float) -> SpeculationPolicy:
+    for ms in times:
+        policy.observe(0, 0, ms)
+    return policy
+
+
+def test_the_policy_steps_plainly_until_plain_steps_are_timed():
     policy = SpeculationPolicy(max_draft=4)
-    assert policy.choose(10) == 0
-    policy.observe(0, 0, 50.0)
+    for ms in [80.0] + [50.0] * (PLAIN_SAMPLES - 1):
+        assert policy.choose(10) == 0
+        policy.observe(0, 0, ms)
+    assert policy.plain_ms == 50.0  # the median: the first step after a prompt is the slow one
     assert policy.choose(10) > 0  # the prior acceptance of 0.5 pays on a slow step
 
 
 def test_good_acceptance_on_a_slow_route_drafts_the_most_and_never_past_the_limit():
-    policy = SpeculationPolicy(max_draft=4)
-    policy.observe(0, 0, 50.0)
-    for _ in range(20):
+    policy = plain(SpeculationPolicy(max_draft=4), *[50.0] * PLAIN_SAMPLES)
+    for _ in range(REFRESH_EVERY - 1):
         policy.observe(4, 4, 60.0)
     assert policy.acceptance > 0.9
     assert policy.choose(10) == 4
@@ -63,12 +70,40 @@ def test_good_acceptance_on_a_slow_route_drafts_the_most_and_never_past_the_limi
 
 
 def test_poor_acceptance_on_a_fast_route_drafts_nothing_but_still_probes():
-    policy = SpeculationPolicy(max_draft=4)
-    policy.observe(0, 0, 5.0)
+    policy = plain(SpeculationPolicy(max_draft=4), *[5.0] * PLAIN_SAMPLES)
     for _ in range(20):
         policy.observe(2, 0, 9.0)  # each draft costs 2 ms against a 5 ms step, and none is kept
     choices = [policy.choose(10) for _ in range(2 * EXPLORE_EVERY)]
     assert choices.count(0) == 2 * EXPLORE_EVERY - 2 and choices.count(1) == 2
+
+
+def test_the_plain_step_is_timed_again_and_drafting_stops_when_it_no_longer_pays():
+    """Measured on a bfloat16 mesh: the first plain steps took 31-38 ms, later ones 25-27. Against the early
+    cost, two drafts verified in 78 ms looked worth it (2.6 tokens); against the true one they are slower."""
+    policy = plain(SpeculationPolicy(max_draft=4), 38.0, 34.0, 31.0)
+    choices = []
+    for step in range(3 * REFRESH_EVERY):
+        k = policy.choose(10)
+        choices.append(k)
+        if k:  # every fifth step rejects its last draft; each draft adds 23.5 ms
+            policy.observe(k, k - (step % 5 == 4), 31.0 + 23.5 * k)
+        else:
+            policy.observe(0, 0, 26.0)
+    assert choices[0] > 0  # against 34 ms, drafting looked better
+    assert 0 in choices[:REFRESH_EVERY + 1]  # a plain step came within REFRESH_EVERY verify steps
+    assert set(choices[-REFRESH_EVERY:]) <= {0, 1}  # then plain steps, probing with one draft now and then
+    assert choices[-REFRESH_EVERY:].count(0) >= REFRESH_EVERY - 2
+
+
+def test_a_gain_within_the_margin_is_not_taken():
+    policy = plain(SpeculationPolicy(max_draft=1), *[20.0] * PLAIN_SAMPLES)
+    for _ in range(10):
+        policy.observe(1, 1, 35.0)  # 1.9 tokens expected (acceptance 0.9 with the prior) in 35 ms: 1.09x
+    assert policy.choose(10) == 1
+    policy = plain(SpeculationPolicy(max_draft=1), *[20.0] * PLAIN_SAMPLES)
+    for _ in range(10):
+        policy.observe(1, 1, 37.0)  # 1.03x: within the noise of a measurement
+    assert policy.choose(10) == 0
 
 
 # --- the tail's rule -----------------------------------------------------------------------------------------
