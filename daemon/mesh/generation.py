@@ -28,7 +28,7 @@ from daemon.api import GenerationStats, Hop, Sampling
 from daemon.errors import BadRequest, CacheMiss, HopFailed, UpstreamError
 from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.prefix import PrefixIndex, Reuse
-from daemon.mesh.speculation import DraftSession, SpeculationPolicy
+from daemon.mesh.speculation import DraftSession, SpeculationMemory, SpeculationPolicy
 from daemon.mesh.text import TextStream
 
 MAX_FAILOVERS = 8  # per generation: a mesh that keeps failing is an error, not a loop
@@ -80,6 +80,7 @@ class GenerationRequest:
     reuse: Reuse | None = None  # start from a session the route's nodes hold (see daemon.mesh.prefix)
     drafter: DraftSession | None = None  # speculative decoding: proposes tokens to verify (closed at the end)
     max_draft: int = 0  # the most tokens one verify step carries
+    speculation: SpeculationMemory | None = None  # the head's: what drafting cost on each route before
 
 
 @dataclass
@@ -187,7 +188,10 @@ class GenerationLoop:
         self.last_token_at = 0.0
         self.decode_steps = 0
         # speculative decoding needs caches that keep a verify step's positions
-        self.policy = SpeculationPolicy(request.max_draft) if request.drafter is not None and self.cached else None
+        self.policy: SpeculationPolicy | None = None
+        if request.drafter is not None and self.cached:
+            memory = request.speculation
+            self.policy = memory.policy(route, request.max_draft) if memory else SpeculationPolicy(request.max_draft)
         self._verifying = False  # the step under way carries drafts
 
     @property
@@ -248,6 +252,8 @@ class GenerationLoop:
         finally:
             if request.drafter is not None:
                 request.drafter.close()
+            if self.policy is not None and request.speculation is not None:
+                request.speculation.keep(self.route, self.policy)
             self._end()
 
     async def _step(self, feed: list[int], draft: list[int]) -> HopReply:

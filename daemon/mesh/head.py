@@ -25,7 +25,7 @@ from daemon.mesh.generation import GenerationLoop, GenerationRequest, TokenEvent
 from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.planner import RoutePlanner
 from daemon.mesh.prefix import PrefixIndex, Reuse
-from daemon.mesh.speculation import Drafter
+from daemon.mesh.speculation import Drafter, SpeculationMemory
 from daemon.mesh.transport import HopTransport
 from daemon.metrics import Metrics
 
@@ -142,6 +142,7 @@ class Head:
         self._hops: HopClient | None = None
         self._stopping = False
         self.drafter: Drafter | None = None  # --draft-model: speculative decoding (daemon.mesh.speculation)
+        self.speculation = SpeculationMemory()  # what drafting cost on each route, for the next generation on it
 
     @property
     def context_length(self) -> int:
@@ -198,7 +199,8 @@ class Head:
                      " -> ".join(f"{h.url}@{h.start_layer}" for h in route))
             loop_request = GenerationRequest(prompt_ids, max_tokens, sampling, request.stop, request.ignore_eos,
                                              reuse=reuse, max_draft=self.settings.max_draft,
-                                             drafter=self.drafter.session() if self.drafter else None)
+                                             drafter=self.drafter.session() if self.drafter else None,
+                                             speculation=self.speculation)
             backend = _LocalBackend(self.own, tokenizer, wire_dtype=self.settings.wire_dtype)
             events = GenerationLoop(backend, self._hop_client(), self.planner, route, loop_request, stats=stats,
                                     index=index).run()

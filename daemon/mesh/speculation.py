@@ -15,12 +15,17 @@ distribution is the target's own.
 
 **How many to draft** (:class:`SpeculationPolicy`): the expected tokens a pass yields with k drafts,
 ``1 + a + a^2 + ... + a^k`` at the measured acceptance ``a``, against the measured cost of a pass with k
-drafts (a plain step, plus what each drafted position adds: drafting it and verifying it). The k with the
-best ratio wins, 0 included, and drafting must beat a plain step by ``MARGIN``: on a fast route with poor
-acceptance, or where verifying a position costs nearly a step of its own, the head drafts nothing and the
-stream is as fast as without speculation. The plain step it is weighed against is measured again every
-``REFRESH_EVERY`` verify steps (the first decode steps after a prompt run slower than the ones after them,
-and a cost measured once and kept made drafting look better than it was).
+drafts: a plain step, plus what each drafted position adds (drafting it and verifying it), measured on
+runs of verify steps. The k with the best ratio wins, 0 included: on a fast route with poor acceptance, or
+where verifying a position costs nearly a step of its own (a bfloat16 node verifies position after
+position), the head drafts nothing and the stream is as fast as without speculation; a run of verify
+steps starts only where it promises ``START_MARGIN`` over plain steps. A plain step is
+priced at the fastest of the last few (one timed right after verify steps or a prompt reads slower, which
+would make drafting look better than it is), and timed again every ``REFRESH_EVERY`` verify steps. While
+nothing is drafted, a probe of one draft now and then watches the acceptance, within ``PROBE_SHARE`` of the
+time (a probe costs more than a draft in a run: the draft model first catches up on the tokens since it
+last drafted). What a generation learned about its route is where the next one on that route starts
+(:class:`SpeculationMemory`, on the head).
 
 Drafters (``--draft-model``): :class:`NgramDrafter` (prompt lookup, no model) here, and a small model in the
 head's process (:mod:`daemon.model.draft`).
@@ -28,15 +33,19 @@ head's process (:mod:`daemon.model.draft`).
 
 from __future__ import annotations
 
-import statistics
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 MAX_NGRAM = 4  # the longest suffix prompt lookup tries to find again
-EXPLORE_EVERY = 16  # steps: with 0 drafts chosen, draft 1 this often, so a changed acceptance is seen
+EXPLORE_EVERY = 16  # steps: with 0 drafts chosen, draft 1 at most this often, so a changed acceptance is seen
+PROBE_SHARE = 0.02  # ... and only while the probes' extra cost stays within this share of the plain steps' time
+CARRIED_STEPS = 4.0  # a route's acceptance, handed to its next generation, weighs as this many checked drafts
 PLAIN_SAMPLES = 3  # plain steps measured before the first draft
 REFRESH_EVERY = 16  # verify steps in a row after which one plain step measures the plain cost again
-MARGIN = 1.05  # the expected tokens per ms drafting must reach, over a plain step's: not noise's gains
+PLAIN_WINDOW = 8  # plain steps: the fastest of the last this many is a plain step's cost
+START_MARGIN = 1.1  # drafting, to start after plain steps, must promise this many times a plain step's tokens/ms
 PRIOR_STEPS = 2.0  # pseudo-observations of acceptance 0.5 before any is measured
 DECAY = 0.95  # each verify step's weight against the ones before: the acceptance follows the text
 
@@ -102,58 +111,113 @@ class SpeculationPolicy:
     max_draft: int
     accepted: float = 0.0  # decayed counts of drafted positions the tail checked, and of those it kept
     checked: float = 0.0
-    plain_ms: float | None = None  # moving average of a step with no drafts
-    per_draft_ms: float | None = None  # ... of what one drafted token adds to a step (drafting and verifying)
+    # a step with no drafts: the fastest of the last few (plain steps timed right after verify steps or a prompt
+    # read slower than plain steps in a row, and a slow reading would make drafting look better than it is)
+    plain_ms: float | None = None
+    # ... of what one drafted token adds to a step (drafting and verifying), from verify steps that follow
+    # verify steps: a draft model idle for a while first catches up on the tokens since, which drafting
+    # step after step does not pay
+    per_draft_ms: float | None = None
+    probe_ms: float | None = None  # what the last probe (a verify step after plain ones) cost over a plain step
+    plain_since_probe_ms: float = 0.0  # plain steps' time since the last probe
     steps: int = 0
+    steps_since_probe: int = 0
     verified: int = 0  # verify steps so far
     plain_samples: int = 0
     verified_in_a_row: int = 0  # verify steps since the last plain one
-    _first_plain: list[float] = field(default_factory=list, repr=False)
+    recent_plain: deque[float] = field(default_factory=lambda: deque(maxlen=PLAIN_WINDOW), repr=False)
 
     @property
     def acceptance(self) -> float:
         """The chance the tail keeps a drafted token given it kept the ones before, with a prior of 0.5."""
         return (self.accepted + PRIOR_STEPS / 2) / (self.checked + PRIOR_STEPS)
 
+    def carried(self, max_draft: int) -> SpeculationPolicy:
+        """A new generation's policy on the route this one ran on: its costs as measured, its acceptance as a few
+        steps' worth of evidence (the next text may draft better or worse), probes spaced on from here."""
+        weight = min(1.0, CARRIED_STEPS / self.checked) if self.checked else 0.0
+        return SpeculationPolicy(
+            max_draft, accepted=self.accepted * weight, checked=self.checked * weight, plain_ms=self.plain_ms,
+            per_draft_ms=self.per_draft_ms, probe_ms=self.probe_ms, plain_since_probe_ms=self.plain_since_probe_ms,
+            steps_since_probe=self.steps_since_probe, recent_plain=deque(self.recent_plain, maxlen=PLAIN_WINDOW),
+            plain_samples=self.plain_samples if self.plain_ms is not None else 0)
+
     def choose(self, limit: int) -> int:
         """Drafts for the next step, at most ``limit`` (what is left of the answer and of the context)."""
         self.steps += 1
+        self.steps_since_probe += 1
         most = min(self.max_draft, limit)
         if most <= 0 or self.plain_samples < PLAIN_SAMPLES:
             return 0  # plain steps first: their time is what every choice is weighed against
         a = self.acceptance
         extra = self.per_draft_ms if self.per_draft_ms is not None else 0.15 * self.plain_ms
-        best, best_rate = 0, MARGIN / self.plain_ms
+        # a run of verify steps starts only for a clear gain: its first step costs more (the draft model catches
+        # up on the tokens since it last drafted), and a gain within the noise of a step's time is none
+        best, best_rate = 0, (START_MARGIN if self.verified_in_a_row == 0 else 1.0) / self.plain_ms
         expected = 1.0
         for k in range(1, most + 1):
             expected += a ** k
             rate = expected / (self.plain_ms + k * extra)
             if rate > best_rate:
                 best, best_rate = k, rate
-        if best == 0 and self.steps % EXPLORE_EVERY == 0:
-            return 1
-        if best > 0 and self.verified_in_a_row >= REFRESH_EVERY:
+        if best == 0:
+            # a probe of one draft now and then sees a changed acceptance; it costs more than drafting step after
+            # step does, so probes take at most PROBE_SHARE of the plain steps' time
+            due = self.steps_since_probe >= EXPLORE_EVERY and (
+                self.probe_ms is None or self.plain_since_probe_ms * PROBE_SHARE >= self.probe_ms)
+            return 1 if due else 0
+        if self.verified_in_a_row >= REFRESH_EVERY:
             return 0  # the plain step's time again
         return best
 
     def observe(self, drafted: int, kept: int, step_ms: float) -> None:
         """A step with ``drafted`` drafts (0: plain) of which the tail kept ``kept``, taking ``step_ms`` in all."""
         if drafted == 0:
-            # the first few: their median (the first decode steps after a prompt run slower than the rest);
-            # then a moving average weighting each new plain step half, as they are rare while drafting pays
-            self._first_plain.append(step_ms)
+            self.recent_plain.append(step_ms)
             self.plain_samples += 1
-            self.plain_ms = (statistics.median(self._first_plain) if self.plain_samples <= PLAIN_SAMPLES
-                             else _ema(self.plain_ms, step_ms, weight=0.5))
+            self.plain_ms = min(self.recent_plain)
+            self.plain_since_probe_ms += step_ms
             self.verified_in_a_row = 0
             return
-        self.verified_in_a_row += 1
         # the tail checks drafts in order up to the first it rejects
         self.checked = self.checked * DECAY + min(kept + 1, drafted)
         self.accepted = self.accepted * DECAY + kept
         self.verified += 1
-        if self.plain_ms is not None and self.verified > 1:  # the first also drafted after the whole prompt
-            self.per_draft_ms = _ema(self.per_draft_ms, max(0.0, (step_ms - self.plain_ms) / drafted))
+        self.verified_in_a_row += 1
+        after_plain = self.verified_in_a_row == 1  # a probe, or the first of a run of verify steps
+        if after_plain:
+            self.plain_since_probe_ms, self.steps_since_probe = 0.0, 0
+        if self.plain_ms is None or self.verified == 1:
+            return  # the first verify step also drafted after the whole prompt: no measure of either cost
+        overhead = max(0.0, step_ms - self.plain_ms)
+        if after_plain:
+            self.probe_ms = overhead
+        else:
+            self.per_draft_ms = _ema(self.per_draft_ms, overhead / drafted)
+
+
+class SpeculationMemory:
+    """What a head's generations learned about drafting on each route, handed to the next one on it: a short
+    answer then starts from the route's measured costs rather than trying, and probing, afresh."""
+
+    def __init__(self, routes: int = 64) -> None:
+        self._routes = routes
+        self._policies: OrderedDict[tuple, SpeculationPolicy] = OrderedDict()
+
+    def policy(self, route: Sequence, max_draft: int) -> SpeculationPolicy:
+        before = self._policies.get(_route_key(route))
+        return SpeculationPolicy(max_draft) if before is None else before.carried(max_draft)
+
+    def keep(self, route: Sequence, policy: SpeculationPolicy) -> None:
+        key = _route_key(route)
+        self._policies[key] = policy
+        self._policies.move_to_end(key)
+        while len(self._policies) > self._routes:
+            self._policies.popitem(last=False)
+
+
+def _route_key(route: Sequence) -> tuple:
+    return tuple((hop.url, hop.start_layer, hop.end_layer) for hop in route)
 
 
 def _ema(old: float | None, new: float, weight: float = 0.2) -> float:

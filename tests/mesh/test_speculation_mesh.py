@@ -10,7 +10,7 @@ import pytest
 
 from daemon.api.launch import free_ports, node_url
 from daemon.bench.delay import DelayProxy
-from tests.support.meshd import Daemon, start_mesh
+from tests.support.meshd import Daemon
 
 HELD_OUT = [  # prompts no other test (and no tuning) used
     [{"role": "user", "content": "Describe the water cycle to a ten-year-old."}],
@@ -21,13 +21,15 @@ DRAFT = ["--draft-model", "built-in", "--draft-quantize", "int8"]
 
 
 class WanMesh:
-    """Nodes 0-9 (the head, drafting), 10-19 and 20-29; every node reached through a delay proxy but the head."""
+    """Nodes 0-9 (the head, drafting), 10-19 and 20-29 (or ``ranges``); every node reached through a delay proxy
+    but the head."""
 
-    def __init__(self, model, log_dir, rtt_ms: float = 10.0, head_extra=DRAFT, tail_variant=None) -> None:
+    def __init__(self, model, log_dir, rtt_ms: float = 10.0, head_extra=DRAFT, tail_variant=None,
+                 ranges=("0-9", "10-19", "20-29")) -> None:
         ports = free_ports(3)
         self.proxies = [DelayProxy(port, rtt_ms) for port in ports[1:]]
         urls = [node_url("127.0.0.1", ports[0])] + [node_url("127.0.0.1", p.port) for p in self.proxies]
-        specs = [("0-9", list(head_extra), None), ("10-19", [], None), ("20-29", [], tail_variant)]
+        specs = [(ranges[0], list(head_extra), None), (ranges[1], [], None), (ranges[2], [], tail_variant)]
         self.daemons: list[Daemon] = []
         try:
             for i, ((layers, extra, variant), port) in enumerate(zip(specs, ports)):
@@ -161,15 +163,16 @@ def test_a_gguf_draft_model_is_converted_and_drafts_exactly(default_model, refer
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
 def test_hybrid_models_stay_exact_with_speculation_on(tiny_model, arch, tmp_path):
-    """Linear-attention layers on both nodes take rejected positions back from copies of their state: the draft
-    is the same tiny model in bfloat16, which mostly agrees, so steps keep some drafts and drop the rest."""
+    """Linear-attention layers on every node take rejected positions back from copies of their state: the draft
+    is the same tiny model in bfloat16, which mostly agrees, so steps keep some drafts and drop the rest. The hops
+    take 10 ms, so drafting pays and the head drafts."""
     from tests.mesh.test_prefix_mesh import reference_generate
 
     folder = tiny_model(arch)
     draft = ["--draft-model", str(folder), "--draft-dtype", "bfloat16", "--draft-max", "4"]
-    mesh = start_mesh(folder, [("0-1", draft), ("2-3", [])], log_dir=tmp_path)
+    mesh = WanMesh(folder, tmp_path, head_extra=draft, ranges=("0-1", "2-2", "3-3"))
     try:
-        head, _ = mesh
+        head = mesh.head
         for question in ("one two three", "the quick brown fox"):
             messages = [{"role": "user", "content": question}]
             stats = chat(head, messages, 40)
@@ -177,8 +180,7 @@ def test_hybrid_models_stay_exact_with_speculation_on(tiny_model, arch, tmp_path
             assert stats["verify_steps"] > 0, stats
         assert sum(chat(head, [{"role": "user", "content": q}], 40)["accepted_tokens"] for q in ("a", "b")) > 0
     finally:
-        for d in mesh:
-            d.stop()
+        mesh.stop()
 
 
 @pytest.mark.slow
