@@ -171,7 +171,8 @@ class NodeConfig:
         check=between(0, 1))
     failover_wait_seconds: float = setting(
         30.0, flag="--failover-wait", metavar="SECONDS", help="when a hop fails mid-generation and no other node "
-        "covers its layers, how long to wait for one (e.g. a restart) before the generation fails (default 30)",
+        "covers its layers, how long to wait for one (e.g. a restart) before the generation fails; also how long "
+        "failovers may go on without a token (default 30)",
         check=between(0, 3600))
     hop_timeout_seconds: float = setting(  # longer steps get proportionally more
         10.0, flag="--hop-timeout", metavar="SECONDS", help="a one-token step on a peer must answer within this, "

@@ -31,12 +31,14 @@ from daemon.mesh.prefix import PrefixIndex, Reuse
 from daemon.mesh.speculation import DraftSession, SpeculationMemory, SpeculationPolicy
 from daemon.mesh.text import TextStream
 
-MAX_FAILOVERS = 8  # per generation: a mesh that keeps failing is an error, not a loop
 REROUTE_CHECK_STEPS = 16  # how often a generation asks whether its route has become far slower
 
 
 class Router(Protocol):
     """What the loop needs to change routes: see :class:`daemon.mesh.planner.RoutePlanner`."""
+
+    failover_wait: float  # seconds: a generation that produces no token for this long through failovers gives up
+    clock: Callable[[], float]  # monotonic seconds
 
     def observe(self, hop: Hop, *, mode: str | None, total_ms: float, compute_ms: float | None) -> None: ...
 
@@ -209,6 +211,7 @@ class GenerationLoop:
         if self.index is not None:
             self.index.follow(self.session_id, self.ids)
         self.started = time.perf_counter()
+        self.progressed_at = self.router.clock()  # the last token's time, for giving up (see _failover)
         try:
             while len(self.generated) < request.max_tokens:
                 if self.mode == "decode" and self.decode_steps and self.decode_steps % REROUTE_CHECK_STEPS == 0:
@@ -310,6 +313,7 @@ class GenerationLoop:
     def _took_token(self, reply: HopReply) -> tuple[TokenEvent, bool]:
         """The tail sampled a token: the next step decodes it alone. Returns its event and whether it ends."""
         token_id = reply.token_id
+        self.progressed_at = self.router.clock()
         self.generated.append(token_id)
         self.stats.token_ids.append(token_id)
         self.past_len = len(self.ids)
@@ -383,10 +387,14 @@ class GenerationLoop:
             self._prefilling_afresh()
 
     async def _failover(self, failure: HopFailed) -> None:
-        """A hop failed: continue on a route without its node, or give up after :data:`MAX_FAILOVERS`."""
+        """A hop failed: continue on a route without its node. Under churn a long answer may fail over many
+        times; it gives up only when no route is found within ``failover_wait`` (the router raises), or when
+        failovers have gone on that long without a token."""
         self.stats.failovers += 1
-        if self.stats.failovers > MAX_FAILOVERS:
-            raise UpstreamError(f"gave up after {MAX_FAILOVERS} failovers; the last: {failure.message}") from None
+        stalled = self.router.clock() - self.progressed_at
+        if stalled > self.router.failover_wait:
+            raise UpstreamError(f"gave up: no token for {stalled:.0f} s of failovers ({self.stats.failovers} in "
+                                f"all); the last: {failure.message}") from None
         failed = next((hop for hop in self.route if hop.url == failure.url), self.route[-1])
         self._move_to(await self.router.failover(failed, failure, session_id=self.session_id,
                                                  position=len(self.ids), patient=bool(self.generated)))

@@ -138,7 +138,7 @@ class RoutePlanner:
         self.on_hop = on_hop  # told every hop's (mode, milliseconds): metrics
         self.latency = LatencyModel(clock=clock)
         self._rng = rng or random.Random()
-        self._clock = clock
+        self.clock = clock
         self.events: deque[RouteEvent] = deque(maxlen=EVENTS_KEPT)
         self.failovers = 0
         self.reroutes = 0
@@ -201,12 +201,12 @@ class RoutePlanner:
         self.peers.mark_down(failed.url, failure.message)
         self.latency.failed(failed.url)
         wait = self.failover_wait if patient else min(self.failover_wait, IMPATIENT_WAIT_SECONDS)
-        deadline = self._clock() + wait
+        deadline = self.clock() + wait
         while True:
             try:
                 route = self.plan(explore=False)
             except RouteUnavailable as exc:
-                if self._clock() >= deadline:
+                if self.clock() >= deadline:
                     self._event("no_route", session_id, failed=failed.url, reason=exc.message, position=position,
                                 code=None if exc.layers is None else "no_node_for_layers", layers=exc.layers)
                     raise

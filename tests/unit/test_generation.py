@@ -14,7 +14,7 @@ import pytest
 from daemon import wire
 from daemon.api import Hop, Sampling
 from daemon.errors import CacheMiss, HopFailed, UpstreamError
-from daemon.mesh.generation import MAX_FAILOVERS, REROUTE_CHECK_STEPS, GenerationLoop, GenerationRequest
+from daemon.mesh.generation import REROUTE_CHECK_STEPS, GenerationLoop, GenerationRequest
 from daemon.mesh.hops import HopReply
 from daemon.mesh.peers import PeerDirectory
 from daemon.mesh.planner import RoutePlanner
@@ -77,15 +77,22 @@ class Tails:
 class FixedRouter:
     """A router (``Router``) with a scripted answer: every failover, and the reroute at one position."""
 
-    def __init__(self, route: list[Hop], *, reroute_at: int | None = None) -> None:
+    failover_wait = 30.0
+
+    def __init__(self, route: list[Hop], *, reroute_at: int | None = None, failover_seconds: float = 1.0) -> None:
         self.route, self.reroute_at = route, reroute_at
         self.failures: list[HopFailed] = []
+        self.now, self.failover_seconds = 100.0, failover_seconds  # each failover takes this long
+
+    def clock(self) -> float:
+        return self.now
 
     def observe(self, hop, *, mode, total_ms, compute_ms) -> None:
         pass
 
     async def failover(self, failed, failure, *, session_id, position, patient=True) -> list[Hop]:
         self.failures.append(failure)
+        self.now += self.failover_seconds
         return self.route
 
     def reroute(self, route, *, session_id, position) -> list[Hop] | None:
@@ -149,13 +156,22 @@ def test_a_failed_hop_moves_the_generation_and_its_event_says_how_it_failed():
     assert (event.code, event.status) == ("timed_out", None)
 
 
-def test_a_mesh_that_keeps_failing_gives_up_after_the_bound():
+def test_a_mesh_that_keeps_failing_without_a_token_gives_up_after_the_failover_wait():
     failure = HopFailed(R1, f"{R1} answered 503: draining", reason="http_status", status=503)
-    router = FixedRouter(ROUTE)
+    router = FixedRouter(ROUTE)  # each failover takes a second
     tails = Tails({n: failure for n in range(1, 100)})
-    with pytest.raises(UpstreamError, match=f"gave up after {MAX_FAILOVERS} failovers; the last: .* answered 503"):
+    with pytest.raises(UpstreamError, match=r"gave up: no token for 31 s of failovers \(32 in all\); the last: "
+                                            r".* answered 503"):
         generate(router, tails, ROUTE)
-    assert len(router.failures) == MAX_FAILOVERS
+    assert len(router.failures) == 31
+
+
+def test_failovers_between_tokens_never_give_up_however_many():
+    """Churn: a node lost every other step for a long answer, each failover found a new route at once."""
+    failure = HopFailed(R1, f"{R1} is unreachable: connection reset", reason="unreachable")
+    tails = Tails({n: failure for n in range(2, 80, 2)})
+    events, stats = generate(FixedRouter(ROUTE, failover_seconds=25.0), tails, ROUTE, max_tokens=40)
+    assert len(events) == 40 and stats.failovers == 39 and stats.finish_reason == "length"
 
 
 def test_a_reroute_is_checked_every_few_decode_steps_and_costs_one_prefill():

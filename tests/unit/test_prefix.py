@@ -7,6 +7,7 @@ The mesh end to end (exact tokens against ``generate``) is in ``test_prefix_mesh
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -415,6 +416,9 @@ class FakeOwnLayers:
 
 
 class FakePlanner:
+    failover_wait = 30.0
+    clock = staticmethod(time.monotonic)
+
     async def plan_for_request(self):
         return [Hop("http://self", 0, 4, local=True)]
 
