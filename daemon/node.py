@@ -32,6 +32,7 @@ from daemon.server.node_view import NodeView
 log = logging.getLogger(__name__)
 
 PEER_REFRESH_SECONDS = 2.0
+ANNOUNCE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)  # telling a peer this node joins or leaves
 
 
 class Node(NodeView):
@@ -49,6 +50,7 @@ class Node(NodeView):
             explore=config.route_explore, failover_wait=config.failover_wait_seconds,
             on_hop=lambda hop, mode, ms: metrics.hop_done(hop.url, mode, ms / 1000.0),
         )
+        peers.on_change = self._peer_changed
         names = config.served_model_name or [info.name]
         head = Head(service, planner, metrics, model_name=names[0], aliases=names[1:], settings=HeadSettings(
             wire_dtype=config.wire_dtype or service.dtype, hop_timeout_seconds=config.hop_timeout_seconds,
@@ -103,9 +105,49 @@ class Node(NodeView):
             # the next poll is scheduled only once this one finished: a slow peer stretches the cycle
             try:
                 await self.peers.refresh(http)
+                if not self.draining:
+                    await asyncio.gather(*(self._announce(http, seed) for seed in self.peers.missing_from()))
             except Exception:  # noqa: BLE001 - polling must outlive any one bad answer
                 log.exception("peer refresh failed")
             await asyncio.sleep(PEER_REFRESH_SECONDS)
+
+    async def _announce(self, http: aiohttp.ClientSession, seed: str) -> None:
+        """Tell a seed that answers but does not list this node that it serves here (it started, or the seed
+        restarted); the seed's peers come back in the answer and are learned at once."""
+        try:
+            async with http.post(seed + "/v1/peers/announce", json={"url": self.url},
+                                 timeout=ANNOUNCE_TIMEOUT) as resp:
+                if resp.status != 200:
+                    log.warning("announcing this node to %s: it answered %s", seed, resp.status)
+                    return
+                answer = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("announcing this node to %s failed: %s", seed, exc)
+            return
+        log.info("announced this node to %s", seed)
+        peers = answer.get("peers") if isinstance(answer, dict) else None
+        for peer in peers if isinstance(peers, list) else []:
+            if isinstance(peer, dict) and peer.get("up") and isinstance(peer.get("url"), str):
+                self.peers.learn(peer["url"], source=seed)
+
+    async def say_leaving(self) -> None:
+        """Tell every peer that answers that this node stops, so their routes leave it at once; a peer that does
+        not hear it finds out at its next poll."""
+        http = self.http
+        if http is None:
+            return
+
+        async def tell(url: str) -> None:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.post(url + "/v1/peers/announce", json={"url": self.url, "leaving": True},
+                                     timeout=ANNOUNCE_TIMEOUT) as resp:
+                    await resp.read()
+
+        await asyncio.gather(*(tell(url) for url in self.peers.up_urls()))
+
+    def _peer_changed(self, kind: str, url: str, sentence: str, layers: tuple[int, int] | None) -> None:
+        log.info("peer %s", sentence)
+        self.planner.peer_changed(kind, url, sentence, layers)
 
     def _own_candidate(self) -> Candidate:
         service = self.service

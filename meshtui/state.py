@@ -308,16 +308,18 @@ class RouteChange:
     """One of the head's route changes as the console shows it: its reason cut to a few words, its route by node."""
 
     time: float  # the head's clock
-    kind: str  # failover | reroute | no_route
+    kind: str  # failover | reroute | no_route, or of the nodes: joined | left | down | forgotten
     failed: str | None  # the node whose hop failed
     reason: str
     position: int | None  # where the sequence was (prompt and answer tokens so far) when it happened
     route: tuple[str, ...] = ()  # the new route's nodes in order, the head's own hop as "local"
+    node: str | None = None  # joined, left, down, forgotten: the node
 
     @classmethod
     def from_event(cls, event: RouteEvent) -> RouteChange:
         return cls(time=event.time, kind=event.kind, failed=event.failed, reason=short_reason(event),
-                   position=event.position, route=tuple("local" if hop.local else hop.url for hop in event.route))
+                   position=event.position, route=tuple("local" if hop.local else hop.url for hop in event.route),
+                   node=event.node)
 
 
 SHORT_REASON_CHARS = 40  # an event without a code (an older head) shows this much of its sentence
@@ -339,6 +341,14 @@ def short_reason(event: RouteEvent) -> str:
             return f"no node for layers {format_layers(*event.layers)}"
         case "slower_route" if event.step_ms is not None:
             return f"old route {event.step_ms:.1f} ms/step"
+        case "joined" if event.layers is not None:
+            return f"layers {format_layers(*event.layers)}"
+        case "left":
+            return "stopped on its own"
+        case "down":
+            return "stopped answering"
+        case "forgotten":
+            return "down too long"
     reason = event.reason
     return reason if len(reason) <= SHORT_REASON_CHARS else reason[:SHORT_REASON_CHARS - 1] + "…"
 

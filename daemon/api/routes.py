@@ -42,12 +42,18 @@ ROUTE_EVENT_CODES: dict[str, tuple[str, ...]] = {
     "http_status": ("status",),  # failover: the node answered 5xx (a crash, a draining node)
     "no_node_for_layers": ("layers",),  # no_route: no live node serves these layers
     "slower_route": ("step_ms",),  # reroute: the old route had become far slower than another
+    # the nodes this one knows (``node``): one came up (its layers), said it leaves, stopped answering, was dropped
+    "joined": ("layers",),
+    "left": (),
+    "down": (),
+    "forgotten": (),
 }
 
 
 @dataclass
 class RouteEvent:
-    """A change of a head's route: a ``failover``, a ``reroute``, or ``no_route`` (none covered every layer).
+    """A change of a head's route: a ``failover``, a ``reroute``, or ``no_route`` (none covered every layer);
+    or of the nodes it can route through (``node``): one ``joined``, ``left``, went ``down`` or was ``forgotten``.
 
     ``reason`` is a sentence for people and logs; ``code`` and the fields it names say it for programs.
     """
@@ -63,6 +69,7 @@ class RouteEvent:
     status: int | None = None  # http_status: what the failed node answered
     layers: tuple[int, int] | None = None  # no_node_for_layers: the first uncovered range, half-open
     step_ms: float | None = None  # slower_route: the old route's expected milliseconds per decode step
+    node: str | None = None  # joined, left, down, forgotten: the node
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -151,7 +151,7 @@ class PeerSummary:
     end: int | None = None
     last_seen: float | None = None
     error: str | None = None
-    learned_from: str | None = None  # None: a seed or added by the operator; else the peer that reported it
+    learned_from: str | None = None  # None: a seed or added by the operator; "announced"; else who reported it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -2,9 +2,17 @@
 
 A node starts from its ``--peer`` seeds and learns the rest of the mesh from
 them: every peer's ``/v1/status`` lists the peers it sees up, and those join
-this directory too. A peer that stops answering is marked down at once (by a
-poll, or by the head when a hop to it fails) and up again when it answers; one
-that was only learned second-hand is forgotten after a minute down.
+this directory too. A node also **announces** itself to its seeds
+(``POST /v1/peers/announce``) whenever a seed that answers does not list it, so
+a worker started with only ``--peer HEAD`` joins the head, and through the
+head's status every other node, within a poll or two. A node that stops
+gracefully says it leaves, and is dropped at once. A peer that stops answering
+is marked down at once (by a poll, or by the head when a hop to it fails) and up
+again when it answers; one that was not a seed is forgotten after a minute down.
+
+Every change the directory sees (a peer joined, left, stopped answering, was
+forgotten) goes to ``on_change``: the head keeps them with its route's events,
+where the console shows them.
 """
 
 from __future__ import annotations
@@ -12,22 +20,27 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 
-from daemon.api import PeerSummary, normalize_url
+from daemon.api import PeerSummary, format_layers, normalize_url
 from daemon.api.tls import untrusted_certificate
 from daemon.mesh.routing import Candidate
 
 FORGET_AFTER_SECONDS = 60.0  # a learned peer down this long is dropped; seeds are kept for good
 MAX_URL_LENGTH = 2048
+ANNOUNCED = "announced"  # a peer's ``learned_from`` when it told this node of itself
+
+# what ``on_change`` is told: kind (joined, left, down, forgotten), url, a sentence, and a joined peer's layers
+PeerChange = Callable[[str, str, str, "tuple[int, int] | None"], None]
 
 
 @dataclass
 class PeerState:
     url: str
-    learned_from: str | None = None  # None: a seed or added by the operator
+    learned_from: str | None = None  # None: a seed or added by the operator; ANNOUNCED; else the peer that listed it
     status: dict | None = None
     up: bool = False
     last_seen: float | None = None
@@ -59,15 +72,19 @@ class PeerDirectory:
     """Peers from ``--peer`` seeds and from what those peers know, refreshed from their ``/v1/status``."""
 
     def __init__(self, seeds: list[str], *, self_url: str, fingerprint: str, node_id: str = "",
-                 timeout: float = 2.0, clock=time.time) -> None:
+                 timeout: float = 2.0, clock=time.time, on_change: PeerChange | None = None) -> None:
         self.self_url = normalize_url(self_url)
         self.fingerprint = fingerprint
         self.node_id = node_id
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._clock = clock
+        self.on_change = on_change
         self.peers: dict[str, PeerState] = {}
         self._self_aliases: set[str] = {self.self_url}  # other addresses that turned out to be this node
         self._removed: set[str] = set()  # removed by the operator: not re-learned from gossip
+        # nodes that said they leave, and when: not re-learned from another node's stale list until they announce
+        self._left: dict[str, float] = {}
+        self.seeds = [normalize_url(seed) for seed in seeds]
         for seed in seeds:
             self.add(seed)
 
@@ -85,7 +102,61 @@ class PeerDirectory:
         url = normalize_url(url)
         if url in self._self_aliases or url in self._removed or url in self.peers:
             return
+        left = self._left.get(url)
+        if left is not None and self._clock() - left < FORGET_AFTER_SECONDS:
+            return  # it said it leaves: the other node's list is older than that
+        self._left.pop(url, None)
         self.peers[url] = PeerState(url, learned_from=source)
+
+    def announced(self, url: str) -> bool:
+        """A node told this one it serves at ``url``: a peer from now on, polled like any other and forgotten
+        after a while down unless it is a seed. False where it is not taken: this node's own address, or one the
+        operator removed (until the operator adds it again)."""
+        url = normalize_url(url)
+        if url in self._self_aliases or url in self._removed:
+            return False
+        self._left.pop(url, None)
+        peer = self.peers.get(url)
+        if peer is None:
+            self.peers[url] = PeerState(url, learned_from=ANNOUNCED)
+        elif peer.learned_from is not None:
+            peer.learned_from = ANNOUNCED  # told by itself now, not second-hand
+        return True
+
+    def left(self, url: str) -> bool:
+        """A node said it stops: out of every route at once. A seed stays known, down, for its return; any other
+        peer is dropped. False when it was not a peer."""
+        url = normalize_url(url)
+        peer = self.peers.get(url)
+        if peer is None:
+            return False
+        self._left[url] = self._clock()
+        if peer.learned_from is None:
+            peer.mark_down("left the mesh", self._clock())
+        else:
+            del self.peers[url]
+        self._changed("left", url, f"{url} left the mesh")
+        return True
+
+    def missing_from(self) -> list[str]:
+        """Seeds that answer but do not list this node among their peers: the ones to announce it to."""
+        missing = []
+        for url in self.seeds:
+            peer = self.peers.get(url)
+            if peer is None or not peer.up or not peer.status:
+                continue
+            listed = {normalize_url(p["url"]) for p in peer.status.get("peers") or []
+                      if isinstance(p, dict) and _plausible_url(p.get("url"))}
+            if not listed & self._self_aliases:
+                missing.append(url)
+        return missing
+
+    def up_urls(self) -> list[str]:
+        return [p.url for p in self.peers.values() if p.up]
+
+    def _changed(self, kind: str, url: str, sentence: str, layers: tuple[int, int] | None = None) -> None:
+        if self.on_change is not None:
+            self.on_change(kind, url, sentence, layers)
 
     def remove(self, url: str) -> bool:
         url = normalize_url(url)
@@ -105,8 +176,21 @@ class PeerDirectory:
         for peer in list(self.peers.values()):
             if peer.learned_from and not peer.up and peer.down_since and now - peer.down_since > FORGET_AFTER_SECONDS:
                 del self.peers[peer.url]
+                self._changed("forgotten", peer.url, f"{peer.url} forgotten after {FORGET_AFTER_SECONDS:g} s down")
 
     async def _refresh_one(self, session: aiohttp.ClientSession, peer: PeerState) -> None:
+        was_up = peer.up
+        await self._poll(session, peer)
+        if peer.url not in self.peers:
+            return  # this node's own other address
+        if peer.up and not was_up:
+            layers = (peer.status["start"], peer.status["end"]) if _has_range(peer.status) else None
+            serves = f", serving layers {format_layers(*layers)}" if layers else ""
+            self._changed("joined", peer.url, f"{peer.url} joined{serves}", layers)
+        elif was_up and not peer.up:
+            self._changed("down", peer.url, f"{peer.url} stopped answering: {peer.error}")
+
+    async def _poll(self, session: aiohttp.ClientSession, peer: PeerState) -> None:
         try:
             async with session.get(peer.url + "/v1/status", timeout=self._timeout) as resp:
                 if resp.status != 200:
@@ -146,12 +230,16 @@ class PeerDirectory:
                 busy=_share(p.status.get("busy")),
             )
             for p in self.peers.values()
-            if p.up and p.status and isinstance(p.status.get("start"), int) and isinstance(p.status.get("end"), int)
+            if p.up and _has_range(p.status)
             and not p.status.get("draining")  # a node shutting down takes no new generations
         ]
 
     def summaries(self) -> list[PeerSummary]:
         return [p.summary() for p in self.peers.values()]
+
+
+def _has_range(status: dict | None) -> bool:
+    return bool(status) and isinstance(status.get("start"), int) and isinstance(status.get("end"), int)
 
 
 def _share(value) -> float:

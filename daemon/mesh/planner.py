@@ -241,6 +241,12 @@ class RoutePlanner:
         self.events.append(RouteEvent(time=time.time(), kind=kind, session_id=session_id, reason=reason,
                                       position=position, failed=failed, route=list(route or []), **detail))
 
+    def peer_changed(self, kind: str, url: str, sentence: str, layers: tuple[int, int] | None = None) -> None:
+        """A node joined, left, went down or was forgotten (``PeerDirectory.on_change``): kept with the route's
+        events, as the nodes a route can take changed."""
+        self.events.append(RouteEvent(time=time.time(), kind=kind, reason=sentence, node=url, code=kind,
+                                      layers=layers))
+
     def info(self) -> RouteInfo:
         """The current route with each hop's measurements, every measured node, and the recent route changes."""
         latency = self.latency.snapshot()

@@ -85,6 +85,17 @@ class NodeView:
             await self.peers.refresh(self.http)  # polled at once: the console shows it up or down now
         return self.peers.summaries()
 
+    async def peer_announced(self, url: str) -> tuple[bool, list[PeerSummary]]:
+        """A node announced itself: whether it was taken as a peer (polled at once), and the peers then."""
+        joined = self.peers.announced(url)
+        if joined and self.http is not None:
+            await self.peers.refresh(self.http)
+        return joined, self.peers.summaries()
+
+    def peer_left(self, url: str) -> bool:
+        """A node said it stops: out of this node's routes now; False when it was not a peer."""
+        return self.peers.left(url)
+
     def remove_peer(self, url: str) -> bool:
         """Forget a peer (also as others report it); False when it was not known."""
         return self.peers.remove(url)

@@ -80,6 +80,23 @@ async def add_peer(request: web.Request) -> web.Response:
     return web.json_response({"peers": [p.to_dict() for p in peers]})
 
 
+async def announce(request: web.Request) -> web.Response:
+    """Another node says it serves at ``url`` and joins (polled at once, then gossiped with this node's status),
+    or, with ``"leaving": true``, that it stops: it leaves every route here at once."""
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object like {\"url\": \"http://10.0.0.2:7070\"}")
+    url = _peer_url(body.get("url"))
+    leaving = body.get("leaving", False)
+    if not isinstance(leaving, bool):
+        raise BadRequest(f"leaving must be true or false, got {str(leaving)[:40]!r}", param="leaving")
+    node = request.app[NODE]
+    if leaving:
+        return web.json_response({"left": url, "known": node.peer_left(url)})
+    joined, peers = await node.peer_announced(url)
+    return web.json_response({"joined": joined, "peers": [p.to_dict() for p in peers]})
+
+
 async def remove_peer(request: web.Request) -> web.Response:
     url = _peer_url(request.query.get("url"))
     if not request.app[NODE].remove_peer(url):

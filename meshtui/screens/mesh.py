@@ -23,7 +23,8 @@ DTYPE_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 # end to end, with the share that is not the node's compute (wire, HTTP, queueing) as "net"
 ROUTE_COLUMNS = [("hop", "hop"), ("node", "node"), ("hosts", "hosts"), ("runs", "runs"), ("cache", "cache"),
                  ("latency", "latency")]
-EVENT_STYLES = {"failover": "bold yellow", "reroute": "bold cyan", "no_route": "bold red"}
+EVENT_STYLES = {"failover": "bold yellow", "reroute": "bold cyan", "no_route": "bold red", "joined": "bold green",
+                "left": "bold magenta", "down": "bold red", "forgotten": "dim"}
 
 
 class LoadingPanel(Static):
@@ -229,6 +230,9 @@ def _event_line(event: RouteChange, head_url: str | None) -> Text:
     if event.failed:
         line.append(short_node(event.failed, head_url), style="bold")
         line.append(" failed; " if event.kind == "no_route" else " ")
+    if event.node:
+        line.append(short_node(event.node, head_url), style="bold")
+        line.append(" ")
     line.append(event.reason)
     if event.route:
         remote = [short_node(url, head_url) for url in event.route if url != "local"]

@@ -138,6 +138,26 @@ def test_daemon_reasons_are_cut_to_a_few_words():
     assert len(short_reason(event("failover", "x" * 80))) == 40
 
 
+def test_nodes_joining_and_leaving_show_with_the_route_events():
+    from meshtui.screens.mesh import _event_line
+
+    url = "http://127.0.0.1:7072"
+    mesh = MeshState(head_url="http://127.0.0.1:7070")
+    mesh.record_route(RouteInfo.from_dict({"events": [
+        {"time": 1.0, "kind": "joined", "node": url, "code": "joined", "layers": [15, 30],
+         "reason": f"{url} joined, serving layers 15-29"},
+        {"time": 2.0, "kind": "down", "node": url, "code": "down", "reason": f"{url} stopped answering: reset"},
+        {"time": 3.0, "kind": "left", "node": url, "code": "left", "reason": f"{url} left the mesh"},
+        {"time": 4.0, "kind": "forgotten", "node": url, "code": "forgotten", "reason": "..."},
+    ]}), None)
+    forgotten, left, down, joined = mesh.recent_route_events()
+    assert [(e.kind, e.node, e.reason) for e in (joined, down, left, forgotten)] == [
+        ("joined", url, "layers 15-29"), ("down", url, "stopped answering"), ("left", url, "stopped on its own"),
+        ("forgotten", url, "down too long")]
+    assert _event_line(joined, mesh.head_url).plain.endswith("joined    :7072 layers 15-29")
+    assert _event_line(left, mesh.head_url).plain.endswith("left      :7072 stopped on its own")
+
+
 def test_the_words_never_come_from_the_sentence():
     # an older head sends no code: its sentence shows as it is, cut, with nothing read out of it
     older = event("failover", "http://127.0.0.1:7072 answered 503: this node is draining")

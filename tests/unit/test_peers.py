@@ -139,3 +139,79 @@ async def test_a_node_of_another_model_or_with_junk_status_is_down(stubs):
     assert not directory.peers[a.url].up and "different model" in directory.peers[a.url].error
     assert not directory.peers[b.url].up
     assert directory.candidates() == []
+
+
+# --- joining by announcing, leaving by saying so -------------------------------------------------------------
+
+
+def recording(directory: PeerDirectory) -> list[tuple]:
+    changes: list[tuple] = []
+    directory.on_change = lambda kind, url, sentence, layers: changes.append((kind, url, layers))
+    return changes
+
+
+async def test_an_announced_node_is_polled_gossiped_and_forgotten_when_long_down(stubs):
+    (a, _, _), session = stubs
+    clock = Clock()
+    a.serve(15, 30, node_id="a")
+    directory = PeerDirectory([], self_url=SELF, fingerprint="f", node_id=SELF_ID, clock=clock)
+    changes = recording(directory)
+    assert directory.announced(a.url + "/")  # normalised like any peer address
+    await directory.refresh(session)
+    assert [c.url for c in directory.candidates()] == [a.url]
+    assert [s.url for s in directory.summaries() if s.up] == [a.url]  # what this node's status lists: gossip
+    assert changes == [("joined", a.url, (15, 30))]
+    a.failing = True
+    await directory.refresh(session)
+    assert changes[-1][:2] == ("down", a.url)
+    clock.now += FORGET_AFTER_SECONDS + 1
+    await directory.refresh(session)
+    assert a.url not in directory.peers and changes[-1][:2] == ("forgotten", a.url)
+
+
+async def test_an_announcement_does_not_override_the_operator_or_this_nodes_own_address(stubs):
+    (a, _, _), session = stubs
+    directory = PeerDirectory([a.url], self_url=SELF, fingerprint="f", node_id=SELF_ID)
+    assert not directory.announced(SELF)
+    assert directory.remove(a.url)
+    assert not directory.announced(a.url) and a.url not in directory.peers
+    directory.add(a.url)
+    assert directory.announced(a.url) and directory.peers[a.url].learned_from is None  # still a seed
+
+
+async def test_a_node_that_leaves_is_out_of_routes_at_once_and_not_relearned_from_stale_lists(stubs):
+    (a, b, c), session = stubs
+    clock = Clock()
+    a.serve(0, 15, node_id="a", peers=[{"url": b.url, "up": True}])
+    b.serve(15, 30, node_id="b")
+    c.serve(15, 30, node_id="c")
+    directory = PeerDirectory([a.url, c.url], self_url=SELF, fingerprint="f", node_id=SELF_ID, clock=clock)
+    changes = recording(directory)
+    await directory.refresh(session)
+    await directory.refresh(session)
+    assert {x.url for x in directory.candidates()} == {a.url, b.url, c.url}
+    assert directory.left(b.url) and directory.left(c.url)
+    assert {x.url for x in directory.candidates()} == {a.url}
+    assert b.url not in directory.peers  # learned: dropped
+    assert c.url in directory.peers and not directory.peers[c.url].up  # a seed: kept for its return
+    assert [k for k, *_ in changes[-2:]] == ["left", "left"]
+    await directory.refresh(session)  # a still lists b, from before b left
+    assert b.url not in directory.peers
+    assert directory.announced(b.url)  # b comes back and says so
+    await directory.refresh(session)
+    assert b.url in {x.url for x in directory.candidates()}
+    assert not directory.left("http://127.0.0.1:9")  # never a peer
+
+
+async def test_seeds_that_do_not_list_this_node_are_the_ones_to_announce_to(stubs):
+    (a, b, c), session = stubs
+    a.serve(0, 15, node_id="a")
+    b.serve(15, 30, node_id="b", peers=[{"url": SELF, "up": True}])
+    c.failing = True
+    directory = PeerDirectory([a.url, b.url, c.url], self_url=SELF, fingerprint="f", node_id=SELF_ID)
+    assert directory.missing_from() == []  # nothing polled yet
+    await directory.refresh(session)
+    assert directory.missing_from() == [a.url]  # b lists this node; c does not answer
+    a.status["peers"] = [{"url": SELF + "/", "up": True}]
+    await directory.refresh(session)
+    assert directory.missing_from() == []
