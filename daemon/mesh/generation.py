@@ -28,6 +28,7 @@ from daemon.api import GenerationStats, Hop, Sampling
 from daemon.errors import BadRequest, CacheMiss, HopFailed, UpstreamError
 from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.prefix import PrefixIndex, Reuse
+from daemon.mesh.replay import ReplayInputs
 from daemon.mesh.speculation import DraftSession, SpeculationMemory, SpeculationPolicy
 from daemon.mesh.text import TextStream
 
@@ -46,6 +47,11 @@ class Router(Protocol):
                        patient: bool = True) -> list[Hop]: ...
 
     def reroute(self, route: list[Hop], *, session_id: str, position: int) -> list[Hop] | None: ...
+
+    def replacement(self, failed: Hop, *, verifies: bool) -> Hop | None: ...
+
+    def replaced(self, failed: Hop, failure: HopFailed, route: list[Hop], *, session_id: str,
+                 position: int) -> None: ...
 
 
 class HeadBackend(Protocol):
@@ -107,6 +113,8 @@ async def run_step(
     on_hop: Callable[[Hop, float, HopReply], None] | None = None,
     history: wire.History | None = None,
     draft: list[int] | None = None,
+    inputs: dict[int, wire.Activation] | None = None,
+    resume: tuple[int, wire.Activation] | None = None,
 ) -> HopReply:
     """Embed ``token_ids`` and pass the step along ``route``; the last hop answers with a token.
 
@@ -114,9 +122,15 @@ async def run_step(
     ``prefix``: every hop first makes the session from that one (an extend step after a reused prefix).
     ``on_hop(hop, total_ms, reply)`` is told each hop's latency and answer. ``history`` goes to the tail.
     ``draft``: a verify step, whose last ``len(draft)`` positions are these drafted tokens (every hop is told).
+    ``inputs`` is filled with each remote hop's input activations as they are sent (by hop index); ``resume``
+    ``(index, activation)`` runs the step from hop ``index`` on, with that input (the hops before it ran it).
     """
-    reply = HopReply(activation=None if route[0].local else await backend.embed(token_ids))
-    for index, hop in enumerate(route):
+    if resume is not None:
+        first, reply = resume[0], HopReply(activation=resume[1])
+    else:
+        first, reply = 0, HopReply(activation=None if route[0].local else await backend.embed(token_ids))
+    for index in range(first, len(route)):
+        hop = route[index]
         if index and reply.activation is None:
             raise UpstreamError(f"hop {index - 1} ({route[index - 1].url}) answered a token before the last layer")
         tail = index == len(route) - 1
@@ -130,6 +144,8 @@ async def run_step(
                 draft=draft,
             )
         else:
+            if inputs is not None:
+                inputs[index] = reply.activation
             headers = wire.forward_headers(
                 reply.activation, mode=mode, session_id=session_id, past_len=past_len,
                 start_layer=hop.start_layer, hop_index=index,
@@ -195,6 +211,7 @@ class GenerationLoop:
             memory = request.speculation
             self.policy = memory.policy(route, request.max_draft) if memory else SpeculationPolicy(request.max_draft)
         self._verifying = False  # the step under way carries drafts
+        self.replay = ReplayInputs()  # each remote hop's inputs so far: a failover prefills only the replacement
 
     @property
     def speculating(self) -> bool:
@@ -263,11 +280,55 @@ class GenerationLoop:
         sampling = self.request.sampling
         history = wire.History(self.penalized_prompt, tuple(self.stats.token_ids)) if sampling.penalized else None
         self._verifying = bool(draft)
-        return await run_step(
-            self.backend, self.client, self.route, feed, mode=self.mode, session_id=self.session_id,
-            past_len=self.past_len, sampling=sampling, prefix=self.reuse, on_hop=self._observe, history=history,
-            draft=draft or None,
-        )
+        inputs: dict[int, wire.Activation] = {}
+        step = dict(mode=self.mode, session_id=self.session_id, past_len=self.past_len, sampling=sampling,
+                    prefix=self.reuse, on_hop=self._observe, history=history, draft=draft or None, inputs=inputs)
+        try:
+            reply = await run_step(self.backend, self.client, self.route, feed, **step)
+        except HopFailed as failure:
+            index = await self._replace_span(failure, inputs, history)
+            if index is None:
+                raise
+            reply = await run_step(self.backend, self.client, self.route, feed, **step,
+                                   resume=(index, inputs[index]))
+        if self.mode is not None:  # the positions every hop now holds, from where this step began
+            self.replay.record(self.past_len if self.mode == "decode" else 0, inputs)
+        return reply
+
+    async def _replace_span(self, failure: HopFailed, inputs: dict[int, wire.Activation],
+                            history: wire.History | None) -> int | None:
+        """A remote hop failed a decode step: if a live node can run exactly its layers and the head holds the
+        failed hop's inputs for every position, prefill that node alone from them and put it in the route; the
+        index of the hop to go on from. None where it cannot (then every node is prefilled again)."""
+        index = next((i for i, hop in enumerate(self.route) if hop.url == failure.url and not hop.local), None)
+        if index is None or self.mode != "decode" or self.reuse is not None or index not in inputs:
+            return None
+        held = self.replay.inputs(index, self.past_len)
+        if held is None:
+            return None
+        failed = self.route[index]
+        hop = self.router.replacement(failed, verifies=self._verifying)
+        if hop is None:
+            return None
+        tail = index == len(self.route) - 1
+        headers = wire.forward_headers(
+            held, mode="prefill", session_id=self.session_id, past_len=0, start_layer=hop.start_layer,
+            hop_index=index, sampling=self.request.sampling.to_wire() if tail else None,
+            history=history if tail else None)
+        try:
+            await self.client.step(hop, held, headers, history if tail else None)  # a tail's token is not used
+        except HopFailed:
+            return None  # the replacement failed too: a failover of the whole route
+        route = [*self.route[:index], hop, *self.route[index + 1:]]
+        self.router.replaced(failed, failure, route, session_id=self.session_id, position=len(self.ids))
+        self.client.release(failed.url, self.session_id)  # a node that answered (a 503) frees the session
+        self.route = route
+        self.stats.route = list(route)
+        self.stats.failovers += 1
+        self.stats.span_replays += 1
+        if self.index is not None:
+            self.index.moved(self.session_id, self.route)
+        return index
 
     async def _draft(self) -> list[int]:
         """Tokens to verify with the next step: as many as the policy chooses, none past the answer's or the
@@ -413,6 +474,7 @@ class GenerationLoop:
             if hop.url not in kept and not hop.local:
                 self.client.release(hop.url, self.session_id)
         self.route, self.cached = new_route, all(hop.kv_cache for hop in new_route)
+        self.replay.clear()  # the next step prefills every hop of the new route, from position 0
         self.stats.route = list(self.route)
         if self.mode == "decode" and self.reuse is None:
             self.stats.reprefills += 1

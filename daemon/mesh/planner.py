@@ -217,6 +217,27 @@ class RoutePlanner:
                         route=route, code=failure.reason, status=failure.status)
             return route
 
+    def replacement(self, failed: Hop, *, verifies: bool) -> Hop | None:
+        """A live node other than ``failed``'s that can run exactly its layers in its place (from its start layer
+        to its end, keeping a cache, taking verify steps where asked), the fastest as measured; None if none."""
+        options = [c for c in self.peers.candidates()
+                   if c.url != failed.url and c.kv_cache and c.start <= failed.start_layer and c.end == failed.end_layer
+                   and (c.verifies or not verifies)]
+        if not options:
+            return None
+        best = min(options, key=lambda c: self.latency.cost(c, failed.layers))
+        return Hop(best.url, failed.start_layer, failed.end_layer, kv_cache=True, verifies=best.verifies)
+
+    def replaced(self, failed: Hop, failure: HopFailed, route: list[Hop], *, session_id: str,
+                 position: int) -> None:
+        """``failed``'s hop was given to another node, prefilled alone: a failover like any other."""
+        self.failovers += 1
+        self.peers.mark_down(failed.url, failure.message)
+        self.latency.failed(failed.url)
+        self.route = route
+        self._event("failover", session_id, failed=failed.url, reason=failure.message, position=position,
+                    route=route, code=failure.reason, status=failure.status)
+
     def reroute(self, route: list[Hop], *, session_id: str, position: int) -> list[Hop] | None:
         """A far faster, fully measured route than ``route``, or None to stay (a change costs a re-prefill)."""
         candidates = self.candidates()

@@ -95,19 +95,30 @@ def test_a_head_given_one_peer_learns_the_rest(replicas):
     assert all(p["up"] for p in peers.values())
 
 
-def test_killing_the_replica_in_use_mid_generation_changes_nothing_for_the_client(replicas, reference_tokens):
+def prefill_steps(daemon: Daemon) -> float:
+    """``meshnet_forward_steps_total{mode="prefill"}``: prefill steps this node computed."""
+    return sum(float(line.split()[1]) for line in daemon.metrics().splitlines()
+               if line.startswith('meshnet_forward_steps_total{mode="prefill"}'))
+
+
+def test_killing_the_replica_in_use_mid_generation_prefills_only_the_other(replicas, reference_tokens):
+    """The head keeps the inputs it sent the replica; when that replica dies, the other one is prefilled from
+    them alone, and the head's own layers (which still hold the session) compute nothing again."""
     head, r1, r2 = replicas
     stream = Stream(head, request())
     stream.read_tokens(6)
     in_use = [r for r in (r1, r2) if holds_session(r, stream.session_id)]
     assert len(in_use) == 1, "exactly one replica serves the generation"
     victim, survivor = (r1, r2) if in_use[0] is r1 else (r2, r1)
+    before = {d: prefill_steps(d) for d in (head, survivor)}
     victim.kill()
 
     stats = stream.finish()
     assert "error" not in stats, stats
     assert stats["token_ids"] == reference_tokens(PROMPT, TOKENS, ignore_eos=True)
-    assert stats["failovers"] == 1 and stats["reprefills"] == 1
+    assert stats["failovers"] == 1 and stats["span_replays"] == 1 and stats["reprefills"] == 0
+    assert prefill_steps(head) == before[head]  # the surviving node computed nothing again
+    assert prefill_steps(survivor) == before[survivor] + 1  # the replacement: one prefill, from the inputs held
     assert [h["url"] for h in stats["route"]] == [head.url, survivor.url]
     assert holds_session(survivor, stream.session_id)
 

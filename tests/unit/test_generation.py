@@ -35,7 +35,8 @@ class OwnLayers:
     eos_texts = {"<eos>"}
 
     async def local_step(self, activation, *, token_ids=None, **step) -> HopReply:
-        return HopReply(activation=wire.Activation("float32", (1, len(token_ids or [1]), 4), b""))
+        positions = len(token_ids or [1])
+        return HopReply(activation=wire.Activation("float32", (1, positions, 4), bytes(16 * positions)))
 
     def decode(self, token_ids: list[int]) -> str:
         return "".join(chr(ord("a") + i % 26) for i in token_ids)
@@ -98,6 +99,12 @@ class FixedRouter:
     def reroute(self, route, *, session_id, position) -> list[Hop] | None:
         return self.route if position == self.reroute_at else None
 
+    def replacement(self, failed, *, verifies) -> Hop | None:
+        return None  # every failover here moves the whole route
+
+    def replaced(self, failed, failure, route, *, session_id, position) -> None:
+        raise AssertionError("no replacement was offered")
+
 
 def planner(peers: list[str]) -> RoutePlanner:
     directory = PeerDirectory([], self_url=HEAD, fingerprint="f")
@@ -149,11 +156,40 @@ def test_a_failed_hop_moves_the_generation_and_its_event_says_how_it_failed():
     failure = HopFailed(failed, f"{failed} is unreachable: timed out after 10 s", reason="timed_out")
     tails = Tails({3: failure})
     events, stats = generate(router, tails, route)
-    assert len(events) == 4 and stats.failovers == 1 and stats.reprefills == 1
+    assert len(events) == 4 and stats.failovers == 1 and stats.reprefills == 0  # the replacement alone, below
     assert stats.route[1].url != failed and tails.released == [failed]
     event = router.events[-1]
     assert (event.kind, event.failed, event.reason) == ("failover", failed, failure.message)
     assert (event.code, event.status) == ("timed_out", None)
+
+
+def test_a_failed_hop_is_replaced_by_a_node_of_its_layers_prefilled_alone_from_its_inputs():
+    router = planner([R1, R2])
+    route = router.plan()
+    failed = route[1].url
+    other = R2 if failed == R1 else R1
+    tails = Tails({3: HopFailed(failed, f"{failed} is unreachable: connection reset", reason="unreachable")})
+    events, stats = generate(router, tails, route, max_tokens=5)
+    assert len(events) == 5 and (stats.failovers, stats.span_replays, stats.reprefills) == (1, 1, 0)
+    # the prefill, a decode, the decode that failed; the replacement prefilled with the 4 positions the nodes
+    # hold, from the inputs the head kept; the failed step again on it alone; then on as before
+    assert tails.steps == [(failed, "prefill", 3), (failed, "decode", 1), (failed, "decode", 1), (other, "prefill", 4),
+                           (other, "decode", 1), (other, "decode", 1), (other, "decode", 1)]
+    assert stats.route[1].url == other and router.route == stats.route
+    assert (router.events[-1].kind, router.events[-1].failed) == ("failover", failed)
+
+
+def test_past_the_inputs_budget_a_failover_prefills_the_whole_route(monkeypatch):
+    import daemon.mesh.replay
+
+    monkeypatch.setattr(daemon.mesh.replay, "REPLAY_BUDGET_BYTES", 16 * 3)  # the prompt's 3 positions, no more
+    router = planner([R1, R2])
+    route = router.plan()
+    failed = route[1].url
+    tails = Tails({3: HopFailed(failed, f"{failed} answered 503", reason="http_status", status=503)})
+    events, stats = generate(router, tails, route, max_tokens=5)
+    assert (stats.failovers, stats.span_replays, stats.reprefills) == (1, 0, 1)
+    assert tails.steps[3][1:] == ("prefill", 5)  # every node again: the prompt and the answer so far
 
 
 def test_a_mesh_that_keeps_failing_without_a_token_gives_up_after_the_failover_wait():

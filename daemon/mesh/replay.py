@@ -1,0 +1,86 @@
+"""What a head keeps to fail over by replaying only the lost span: each remote hop's inputs so far.
+
+Every step sends each remote hop of the route its input activations (the hidden states after the layers before
+it). The head keeps them, per hop, for every position the nodes hold, in the wire's dtype. When a node fails
+mid-generation and a live node can run exactly its layers, that node alone is prefilled from the failed one's
+inputs, and the step that failed goes on from there; the nodes that did not fail keep their sessions and compute
+nothing again (:meth:`daemon.mesh.generation.GenerationLoop._replace_span`).
+
+Cost: a position's hidden state per remote hop, ``hidden_size x 4`` bytes on a float32 wire (2.3 KB for the
+built-in model, 32 KB for a 70B model's 8192). A generation's inputs are bounded by ``REPLAY_BUDGET_BYTES``;
+past it they are dropped and a failover prefills every node of the new route again, as without them.
+"""
+
+from __future__ import annotations
+
+from daemon import wire
+
+REPLAY_BUDGET_BYTES = 256 << 20  # per generation: past this, failovers re-prefill every node
+
+
+class SpanInputs:
+    """One hop's inputs for positions ``0..positions-1``, as contiguous bytes."""
+
+    def __init__(self, dtype: str, hidden: int, itemsize: int) -> None:
+        self.dtype, self.hidden = dtype, hidden
+        self.row = hidden * itemsize  # bytes of one position
+        self.data = bytearray()
+
+    @property
+    def positions(self) -> int:
+        return len(self.data) // self.row
+
+    def keep(self, start: int, activation: wire.Activation) -> bool:
+        """Hold ``activation``'s positions from ``start`` on, dropping any held past ``start`` (a verify step's
+        rejected positions); False where that would leave a gap, or the activation is of another shape."""
+        _, positions, hidden = activation.shape
+        data = memoryview(activation.data).cast("B")
+        if activation.dtype != self.dtype or hidden != self.hidden or start > self.positions \
+                or len(data) != positions * self.row:
+            return False
+        del self.data[start * self.row:]
+        self.data += data
+        return True
+
+    def activation(self, positions: int) -> wire.Activation | None:
+        """The inputs of positions ``0..positions-1``, or None where not all of them are held."""
+        if positions <= 0 or positions > self.positions:
+            return None
+        return wire.Activation(self.dtype, (1, positions, self.hidden), bytes(self.data[:positions * self.row]))
+
+
+class ReplayInputs:
+    """The inputs of every remote hop of a generation's route, by hop index, within a byte budget."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = REPLAY_BUDGET_BYTES if budget is None else budget
+        self.spans: dict[int, SpanInputs | None] = {}  # None: this hop's inputs have a gap, or were dropped
+        self.over_budget = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(span.data) for span in self.spans.values() if span is not None)
+
+    def record(self, start: int, inputs: dict[int, wire.Activation]) -> None:
+        """A step succeeded: its positions from ``start`` on, sent to the hops ``inputs`` names."""
+        if self.over_budget:
+            return
+        for index, activation in inputs.items():
+            span = self.spans.get(index, ...)
+            if span is ...:
+                span = SpanInputs(activation.dtype, activation.shape[2], wire.DTYPE_SIZES[activation.dtype])
+            if span is not None and not span.keep(start, activation):
+                span = None
+            self.spans[index] = span
+        if self.nbytes > self.budget:
+            self.spans.clear()
+            self.over_budget = True
+
+    def inputs(self, index: int, positions: int) -> wire.Activation | None:
+        """Hop ``index``'s inputs for positions ``0..positions-1``, if all are held."""
+        span = self.spans.get(index)
+        return span.activation(positions) if span is not None else None
+
+    def clear(self) -> None:
+        """The route changed under every hop (a full re-prefill): what is held no longer matches its hops."""
+        self.spans.clear()
