@@ -28,7 +28,7 @@ from daemon.api import GenerationStats, Hop, Sampling
 from daemon.errors import BadRequest, CacheMiss, HopFailed, UpstreamError
 from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.prefix import PrefixIndex, Reuse
-from daemon.mesh.replay import ReplayInputs
+from daemon.mesh.replay import ReplayInputs, RetainedInputs
 from daemon.mesh.speculation import DraftSession, SpeculationMemory, SpeculationPolicy
 from daemon.mesh.text import TextStream
 
@@ -89,6 +89,7 @@ class GenerationRequest:
     drafter: DraftSession | None = None  # speculative decoding: proposes tokens to verify (closed at the end)
     max_draft: int = 0  # the most tokens one verify step carries
     speculation: SpeculationMemory | None = None  # the head's: what drafting cost on each route before
+    retained: RetainedInputs | None = None  # the head's: the inputs of sessions kept as prefixes, for reuse
 
 
 @dataclass
@@ -211,7 +212,12 @@ class GenerationLoop:
             memory = request.speculation
             self.policy = memory.policy(route, request.max_draft) if memory else SpeculationPolicy(request.max_draft)
         self._verifying = False  # the step under way carries drafts
-        self.replay = ReplayInputs()  # each remote hop's inputs so far: a failover prefills only the replacement
+        # each remote hop's inputs so far, a reused prefix's included: a failover prefills only the replacement
+        retained, reuse = request.retained, self.reuse
+        self.replay = (retained.start(reuse.source, reuse.keep, route)
+                       if retained is not None and reuse is not None else ReplayInputs())
+        if retained is not None:
+            retained.follow(self.session_id, lambda: (self.route, self.replay))
 
     @property
     def speculating(self) -> bool:
@@ -493,6 +499,8 @@ class GenerationLoop:
                 and index.get(self.session_id) is not None:
             # ended: every node keeps the session, as a prefix the next turn (or another client) starts from
             index.retain(self.session_id)
+            if self.request.retained is not None:
+                self.request.retained.keep(self.session_id)
             for hop in self.route:
                 if hop.local:
                     self.backend.retain_local_session(self.session_id, self.past_len)
@@ -501,6 +509,8 @@ class GenerationLoop:
         else:
             if index is not None:
                 index.forget(self.session_id)
+            if self.request.retained is not None:
+                self.request.retained.drop(self.session_id)
             self.backend.drop_local_session(self.session_id)
             if stats.finish_reason is None:
                 # abandoned (the client left) or failed: free this generation's sessions on every node now

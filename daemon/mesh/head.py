@@ -25,6 +25,7 @@ from daemon.mesh.generation import GenerationLoop, GenerationRequest, TokenEvent
 from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.planner import RoutePlanner
 from daemon.mesh.prefix import PrefixIndex, Reuse
+from daemon.mesh.replay import RetainedInputs
 from daemon.mesh.speculation import Drafter, SpeculationMemory
 from daemon.mesh.transport import HopTransport
 from daemon.metrics import Metrics
@@ -143,6 +144,7 @@ class Head:
         self._stopping = False
         self.drafter: Drafter | None = None  # --draft-model: speculative decoding (daemon.mesh.speculation)
         self.speculation = SpeculationMemory()  # what drafting cost on each route, for the next generation on it
+        self.retained = RetainedInputs()  # the hops' inputs of sessions kept as prefixes (daemon.mesh.replay)
 
     @property
     def context_length(self) -> int:
@@ -200,7 +202,7 @@ class Head:
             loop_request = GenerationRequest(prompt_ids, max_tokens, sampling, request.stop, request.ignore_eos,
                                              reuse=reuse, max_draft=self.settings.max_draft,
                                              drafter=self.drafter.session() if self.drafter else None,
-                                             speculation=self.speculation)
+                                             speculation=self.speculation, retained=self.retained)
             backend = _LocalBackend(self.own, tokenizer, wire_dtype=self.settings.wire_dtype)
             events = GenerationLoop(backend, self._hop_client(), self.planner, route, loop_request, stats=stats,
                                     index=index).run()

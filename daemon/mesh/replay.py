@@ -8,10 +8,15 @@ nothing again (:meth:`daemon.mesh.generation.GenerationLoop._replace_span`).
 
 Cost: a position's hidden state per remote hop, ``hidden_size x 4`` bytes on a float32 wire (2.3 KB for the
 built-in model, 32 KB for a 70B model's 8192). A generation's inputs are bounded by ``REPLAY_BUDGET_BYTES``;
-past it they are dropped and a failover prefills every node of the new route again, as without them.
+past it they are dropped and a failover prefills every node of the new route again, as without them. A
+generation that starts from a reused prefix takes that prefix's inputs from the generation that made it
+(:class:`RetainedInputs`), since the head never sent them itself.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 from daemon import wire
 
@@ -84,3 +89,62 @@ class ReplayInputs:
     def clear(self) -> None:
         """The route changed under every hop (a full re-prefill): what is held no longer matches its hops."""
         self.spans.clear()
+
+
+class RetainedInputs:
+    """The inputs of the head's sessions other generations may start from (prefix reuse: the nodes hold the prefix,
+    and the head could not replay it without its inputs): running generations', and those of generations whose
+    sessions the nodes retained, the most recent ``sessions`` of these within ``REPLAY_BUDGET_BYTES`` in all.
+
+    A generation registers ``current``, a function giving its route and inputs as they stand (both change as it
+    goes), for as long as it runs; :meth:`keep` holds them on once it ends retained, :meth:`drop` when it does not.
+    """
+
+    def __init__(self, sessions: int = 16) -> None:
+        self.sessions = sessions
+        self._running: dict[str, Callable[[], tuple[Sequence, ReplayInputs]]] = {}
+        self._retained: OrderedDict[str, tuple[tuple, ReplayInputs]] = OrderedDict()
+
+    def follow(self, session_id: str, current: Callable[[], tuple[Sequence, ReplayInputs]]) -> None:
+        self._running[session_id] = current
+
+    def keep(self, session_id: str) -> None:
+        current = self._running.pop(session_id, None)
+        if current is None:
+            return
+        route, replay = current()
+        if not replay.spans or replay.over_budget:
+            return
+        self._retained[session_id] = (_route_key(route), replay)
+        self._retained.move_to_end(session_id)
+        while len(self._retained) > self.sessions \
+                or sum(r.nbytes for _, r in self._retained.values()) > REPLAY_BUDGET_BYTES:
+            self._retained.popitem(last=False)
+
+    def drop(self, session_id: str) -> None:
+        self._running.pop(session_id, None)
+        self._retained.pop(session_id, None)
+
+    def start(self, source: str, keep: int, route: Sequence) -> ReplayInputs:
+        """A generation starting from the first ``keep`` positions of session ``source`` on ``route``: its inputs so
+        far, copied (none where the head does not hold them all, or they were sent along another route)."""
+        replay = ReplayInputs()
+        if source in self._running:
+            source_route, held = self._running[source]()
+            key = _route_key(source_route)
+        elif source in self._retained:
+            key, held = self._retained[source]
+        else:
+            return replay
+        if key != _route_key(route):
+            return replay
+        for index, span in held.spans.items():
+            if span is not None and span.positions >= keep:
+                copy = SpanInputs(span.dtype, span.hidden, span.row // span.hidden)
+                copy.data = span.data[:keep * span.row]
+                replay.spans[index] = copy
+        return replay
+
+
+def _route_key(route: Sequence) -> tuple:
+    return tuple((hop.url, hop.start_layer, hop.end_layer) for hop in route)

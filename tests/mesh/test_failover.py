@@ -316,3 +316,48 @@ def test_a_failover_keeps_penalties_and_logprobs_exact(replicas, reference_model
     content = [e for c in stream.chunks if c.get("choices") and c["choices"][0].get("logprobs")
                for e in c["choices"][0]["logprobs"]["content"]]
     assert [e["logprob"] for e in content] == pytest.approx([float(r[i]) for r, i in zip(rows, expected)], abs=1e-3)
+
+
+def test_a_rolling_restart_of_the_replicas_moves_every_stream_without_a_re_prefill(default_model, tmp_path,
+                                                                                     reference_tokens):
+    """Four streams through a head (0-14) and two replicas of 15-29, each step there 150 ms slower so the streams
+    outlast the restarts. Each replica in turn is stopped with SIGTERM (it drains: its steps are refused, it says it
+    leaves) and started again; a stream on it moves to the other, which alone is prefilled from the inputs the
+    head kept: no stream re-prefills, and every answer is generate's."""
+    import signal
+
+    prompts = [PROMPT, [{"role": "user", "content": "Name three rivers in Europe."}],
+               [{"role": "user", "content": "What is bread?"}], [{"role": "user", "content": "Count to twenty."}]]
+    r2 = start(default_model, "15-29", tmp_path, variant="slow-150")
+    r1 = start(default_model, "15-29", tmp_path, variant="slow-150", peers=[r2])
+    head = start(default_model, "0-14", tmp_path, peers=[r1, r2])
+    daemons = [head, r1, r2]
+    try:
+        for d in daemons:
+            d.wait_ready()
+        head.wait_peers(2)
+        results: dict[int, dict] = {}
+
+        def run(i: int) -> None:
+            results[i] = Stream(head, request(max_tokens=96, messages=prompts[i])).finish()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        for node in (r1, r2):
+            assert any(t.is_alive() for t in threads), "the streams ended before the restarts"
+            node.proc.send_signal(signal.SIGTERM)
+            node.proc.wait(timeout=30)
+            node.restart().wait_ready()
+            head.wait_peers(2)
+        for t in threads:
+            t.join()
+        for i, prompt in enumerate(prompts):
+            stats = results[i]
+            assert "error" not in stats, stats
+            assert stats["token_ids"] == reference_tokens(prompt, 96, ignore_eos=True), f"stream {i}"
+            assert stats["reprefills"] == 0 and stats["failovers"] == stats["span_replays"], stats
+        assert sum(r["span_replays"] for r in results.values()) >= 2  # each restart moved a stream at least
+    finally:
+        stop_all(daemons)
