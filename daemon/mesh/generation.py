@@ -216,8 +216,6 @@ class GenerationLoop:
         retained, reuse = request.retained, self.reuse
         self.replay = (retained.start(reuse.source, reuse.keep, route)
                        if retained is not None and reuse is not None else ReplayInputs())
-        if retained is not None:
-            retained.follow(self.session_id, lambda: (self.route, self.replay))
 
     @property
     def speculating(self) -> bool:
@@ -235,6 +233,8 @@ class GenerationLoop:
             self.index.follow(self.session_id, self.ids)
         self.started = time.perf_counter()
         self.progressed_at = self.router.clock()  # the last token's time, for giving up (see _failover)
+        if request.retained is not None:  # until it ends: a generation reusing this one's prefix takes its inputs
+            request.retained.follow(self.session_id, lambda: (self.route, self.replay))
         try:
             while len(self.generated) < request.max_tokens:
                 if self.mode == "decode" and self.decode_steps and self.decode_steps % REROUTE_CHECK_STEPS == 0:

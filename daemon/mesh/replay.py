@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from daemon import wire
+from daemon.mesh.routing import route_key
 
 REPLAY_BUDGET_BYTES = 256 << 20  # per generation: past this, failovers re-prefill every node
 
@@ -115,7 +116,7 @@ class RetainedInputs:
         route, replay = current()
         if not replay.spans or replay.over_budget:
             return
-        self._retained[session_id] = (_route_key(route), replay)
+        self._retained[session_id] = (route_key(route), replay)
         self._retained.move_to_end(session_id)
         while len(self._retained) > self.sessions \
                 or sum(r.nbytes for _, r in self._retained.values()) > REPLAY_BUDGET_BYTES:
@@ -131,12 +132,12 @@ class RetainedInputs:
         replay = ReplayInputs()
         if source in self._running:
             source_route, held = self._running[source]()
-            key = _route_key(source_route)
+            key = route_key(source_route)
         elif source in self._retained:
             key, held = self._retained[source]
         else:
             return replay
-        if key != _route_key(route):
+        if key != route_key(route):
             return replay
         for index, span in held.spans.items():
             if span is not None and span.positions >= keep:
@@ -145,6 +146,3 @@ class RetainedInputs:
                 replay.spans[index] = copy
         return replay
 
-
-def _route_key(route: Sequence) -> tuple:
-    return tuple((hop.url, hop.start_layer, hop.end_layer) for hop in route)

@@ -9,7 +9,7 @@ measurements every remote hop costs the same, so the fewest hops win.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from daemon.api import Hop
@@ -76,6 +76,11 @@ def plan_route(candidates: list[Candidate], num_layers: int, cost: HopCost = uni
 def _rounded(key: tuple) -> tuple:
     # costs within a microsecond are a tie, so the other preferences decide rather than float noise
     return (round(key[0], 3),) + key[1:]
+
+
+def route_key(route: Sequence[Hop]) -> tuple:
+    """A route as a dictionary key: its hops' nodes and layers."""
+    return tuple((hop.url, hop.start_layer, hop.end_layer) for hop in route)
 
 
 def route_cost(route: list[Hop], candidates: list[Candidate], cost: HopCost) -> float | None:

@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from daemon.mesh.routing import route_key
+
 MAX_NGRAM = 4  # the longest suffix prompt lookup tries to find again
 EXPLORE_EVERY = 16  # steps: with 0 drafts chosen, draft 1 at most this often, so a changed acceptance is seen
 PROBE_SHARE = 0.02  # ... and only while the probes' extra cost stays within this share of the plain steps' time
@@ -205,19 +207,16 @@ class SpeculationMemory:
         self._policies: OrderedDict[tuple, SpeculationPolicy] = OrderedDict()
 
     def policy(self, route: Sequence, max_draft: int) -> SpeculationPolicy:
-        before = self._policies.get(_route_key(route))
+        before = self._policies.get(route_key(route))
         return SpeculationPolicy(max_draft) if before is None else before.carried(max_draft)
 
     def keep(self, route: Sequence, policy: SpeculationPolicy) -> None:
-        key = _route_key(route)
+        key = route_key(route)
         self._policies[key] = policy
         self._policies.move_to_end(key)
         while len(self._policies) > self._routes:
             self._policies.popitem(last=False)
 
-
-def _route_key(route: Sequence) -> tuple:
-    return tuple((hop.url, hop.start_layer, hop.end_layer) for hop in route)
 
 
 def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
