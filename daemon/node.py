@@ -125,10 +125,7 @@ class Node(NodeView):
             log.warning("announcing this node to %s failed: %s", seed, exc)
             return
         log.info("announced this node to %s", seed)
-        peers = answer.get("peers") if isinstance(answer, dict) else None
-        for peer in peers if isinstance(peers, list) else []:
-            if isinstance(peer, dict) and peer.get("up") and isinstance(peer.get("url"), str):
-                self.peers.learn(peer["url"], source=seed)
+        self.peers.learn_listed(answer.get("peers") if isinstance(answer, dict) else None, source=seed)
 
     async def say_leaving(self) -> None:
         """Tell every peer that answers that this node stops, so their routes leave it at once; a peer that does

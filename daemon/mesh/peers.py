@@ -215,9 +215,13 @@ class PeerDirectory:
                            self._clock())
             return
         peer.status, peer.up, peer.error, peer.last_seen, peer.down_since = status, True, None, self._clock(), None
-        for other in status.get("peers") or []:
+        self.learn_listed(status.get("peers"), source=peer.url)
+
+    def learn_listed(self, listed, *, source: str) -> None:
+        """Learn the peers another node lists up (its status's ``peers``, or its answer to an announcement)."""
+        for other in listed if isinstance(listed, list) else []:
             if isinstance(other, dict) and other.get("up") and _plausible_url(other.get("url")):
-                self.learn(other["url"], source=peer.url)
+                self.learn(other["url"], source=source)
 
     def candidates(self) -> list[Candidate]:
         return [
