@@ -50,7 +50,7 @@ def test_a_worker_joins_by_announcing_and_leaves_on_sigterm(default_model, refer
         status, body = head.chat({"messages": MESSAGES, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
         assert status == 200, body
         assert body["meshnet"]["token_ids"] == reference_tokens(MESSAGES, 12, ignore_eos=True)
-        assert [hop["url"] for hop in body["meshnet"]["route"] if not hop["local"]] == [worker.url]
+        assert body["meshnet"]["route"][-1]["url"] == worker.url  # layers 0-14 may be the head's or the other's
         events = head.get("/v1/route")["events"]
         assert {"kind": "joined", "node": worker.url, "layers": [15, 30]}.items() <= next(
             e for e in events if e["node"] == worker.url).items()
