@@ -122,10 +122,8 @@ class SpeculationPolicy:
     per_draft_ms: float | None = None
     probe_ms: float | None = None  # what the last probe (a verify step after plain ones) cost over a plain step
     plain_since_probe_ms: float = 0.0  # plain steps' time since the last probe
-    steps: int = 0
     steps_since_probe: int = 0
     verified: int = 0  # verify steps so far
-    plain_samples: int = 0
     verified_in_a_row: int = 0  # verify steps since the last plain one
     recent_plain: deque[float] = field(default_factory=lambda: deque(maxlen=PLAIN_WINDOW), repr=False)
 
@@ -141,15 +139,13 @@ class SpeculationPolicy:
         return SpeculationPolicy(
             max_draft, accepted=self.accepted * weight, checked=self.checked * weight, plain_ms=self.plain_ms,
             per_draft_ms=self.per_draft_ms, probe_ms=self.probe_ms, plain_since_probe_ms=self.plain_since_probe_ms,
-            steps_since_probe=self.steps_since_probe, recent_plain=deque(self.recent_plain, maxlen=PLAIN_WINDOW),
-            plain_samples=self.plain_samples if self.plain_ms is not None else 0)
+            steps_since_probe=self.steps_since_probe, recent_plain=deque(self.recent_plain, maxlen=PLAIN_WINDOW))
 
     def choose(self, limit: int) -> int:
         """Drafts for the next step, at most ``limit`` (what is left of the answer and of the context)."""
-        self.steps += 1
         self.steps_since_probe += 1
         most = min(self.max_draft, limit)
-        if most <= 0 or self.plain_samples < PLAIN_SAMPLES:
+        if most <= 0 or len(self.recent_plain) < PLAIN_SAMPLES:
             return 0  # plain steps first: their time is what every choice is weighed against
         a = self.acceptance
         extra = self.per_draft_ms if self.per_draft_ms is not None else 0.15 * self.plain_ms
@@ -176,7 +172,6 @@ class SpeculationPolicy:
         """A step with ``drafted`` drafts (0: plain) of which the tail kept ``kept``, taking ``step_ms`` in all."""
         if drafted == 0:
             self.recent_plain.append(step_ms)
-            self.plain_samples += 1
             self.plain_ms = min(self.recent_plain)
             self.plain_since_probe_ms += step_ms
             self.verified_in_a_row = 0
@@ -219,6 +214,6 @@ class SpeculationMemory:
 
 
 
-def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
-    return new if old is None else old + weight * (new - old)
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + 0.2 * (new - old)
 
