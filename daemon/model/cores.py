@@ -92,6 +92,10 @@ class CoreShare:
             self.threads = threads
         return threads
 
+    def shared(self) -> bool:
+        """Whether another daemon lives on this host (as of the latest scan)."""
+        return bool(self._others)
+
     def others_computing(self) -> int:
         """How many other daemons on this host are computing a step now."""
         with self._lock:

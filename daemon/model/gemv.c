@@ -16,6 +16,12 @@
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
+#include <limits.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define LANES 32
 
@@ -470,3 +476,33 @@ void meshnet_llama_layer(const struct layer *L, float *hidden, const float *cos,
     products(down, down_out, 1, g, T, q8);
     for (long i = 0; i < T * H; i++) hidden[i] += x[i];
 }
+
+/* ---- parking the OpenMP team between steps (daemon/model/parking.py) -------------------------------------------
+ *
+ * After a parallel region libgomp's workers spin (GOMP_SPINCOUNT) before they sleep, on a core that another daemon
+ * on this host may be computing on. meshnet_park(epoch) puts the calling thread and its team to sleep at once, in a
+ * parallel region whose threads each wait on a futex until the epoch moves on (meshnet_unpark, from any thread):
+ * the team wakes together, ready for the next step, without being destroyed and made again. */
+
+static volatile int park_epoch;
+
+int meshnet_park_epoch(void) { return __atomic_load_n(&park_epoch, __ATOMIC_ACQUIRE); }
+
+#ifdef __linux__
+int meshnet_can_park(void) { return 1; }
+
+void meshnet_park(int epoch) {
+#pragma omp parallel
+    while (__atomic_load_n(&park_epoch, __ATOMIC_ACQUIRE) == epoch)
+        syscall(SYS_futex, &park_epoch, FUTEX_WAIT_PRIVATE, epoch, NULL, NULL, 0);
+}
+
+void meshnet_unpark(void) {
+    __atomic_add_fetch(&park_epoch, 1, __ATOMIC_RELEASE);
+    syscall(SYS_futex, &park_epoch, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+#else  /* no futex: never parks, the team spins and sleeps as libgomp decides */
+int meshnet_can_park(void) { return 0; }
+void meshnet_park(int epoch) { (void)epoch; }
+void meshnet_unpark(void) { __atomic_add_fetch(&park_epoch, 1, __ATOMIC_RELEASE); }
+#endif

@@ -77,6 +77,16 @@ class Library:
         self.q8_floats = lib.meshnet_q8_floats
         self.q8_floats.argtypes = [_L]
         self.q8_floats.restype = _L
+        self.can_park = bool(lib.meshnet_can_park())
+        self.park = lib.meshnet_park  # ctypes lets go of the GIL while the team sleeps
+        self.park.argtypes = [_I]
+        self.park.restype = None
+        self.unpark = lib.meshnet_unpark
+        self.unpark.argtypes = []
+        self.unpark.restype = None
+        self.park_epoch = lib.meshnet_park_epoch
+        self.park_epoch.argtypes = []
+        self.park_epoch.restype = _I
 
 
 @functools.cache

@@ -13,7 +13,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from daemon.model.shard import DecodeStep, ModelShard, StepResult
 from daemon.model.steps import AGAIN, Job, StepQueue
 from daemon.model.tensors import as_sent, to_activation, to_tensor
 from daemon.model.tokenizer import ChatTokenizer
+from daemon.model.worker import TorchThread
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class ShardService:
     def __init__(self, shard: ModelShard, store: SessionCacheStore, *, threads: int, share_cores: bool,
                  kv_cache: bool, on_step: StepObserver | None = None, max_batch: int = 1, step_tokens: int = 512,
                  on_batch: Callable[[int, list[float]], None] | None = None,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+                 executor: TorchThread | None = None) -> None:
         self.shard = shard
         self.store = store
         self.start, self.end = shard.start, shard.end
@@ -64,6 +64,8 @@ class ShardService:
         self.cores = _core_share() if share_cores else None
         self.on_step = on_step
         self.executor = executor or torch_thread()
+        if self.cores is not None:  # park the OpenMP team between steps while another daemon shares the cores
+            self.executor.park_when_idle = self.cores.shared
         # decode steps of sessions waiting here together run as one forward, where the layers allow it
         self.max_batch = max_batch if shard.batch_refusal is None else 1
         self.step_tokens = step_tokens  # a longer prompt runs in chunks of this many tokens
@@ -369,15 +371,9 @@ def _proc_status_bytes(field: str) -> int | None:
     return None
 
 
-def torch_thread() -> ThreadPoolExecutor:
-    """The one OS thread a node runs torch on: loading, every step, embedding.
-
-    OpenMP (libgomp) gives every OS thread that enters a parallel region a team of its own. Two teams in one
-    process are more threads than a small host's cores, and libgomp then stops spinning between regions: each of
-    a step's hundreds of small parallel regions waits on a futex wake-up, and a step with two threads runs no
-    faster than with one. So torch never runs on the event loop's thread, nor on a second worker.
-    """
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+def torch_thread() -> TorchThread:
+    """The one OS thread a node runs torch on: loading, every step, embedding (see :mod:`daemon.model.worker`)."""
+    return TorchThread("torch")
 
 
 def _core_share() -> CoreShare | None:
