@@ -319,7 +319,8 @@ async def serve_until_stopped(app, node) -> None:
             loop.add_signal_handler(signum, on_signal, signum)
         await stop.wait()
         node.draining = True
-        await node.say_leaving()  # the heads routing through this node leave it now, not at their next poll
+        moved = await node.hand_over_sessions()  # other heads' sessions go on at nodes taking these layers over
+        await node.say_leaving(moved)  # the heads routing through this node leave it now, not at their next poll
         head = node.head
         running = head.active_generations
         _say(f"draining: {running} generation(s) running, {config.shutdown_grace_seconds:g} s to finish"

@@ -101,11 +101,13 @@ class HopFailed(UpstreamError):
     ``reason`` is ``unreachable``, ``timed_out`` or ``http_status`` (then ``status`` is what it answered).
     """
 
-    def __init__(self, url: str, message: str, *, reason: str, status: int | None = None) -> None:
+    def __init__(self, url: str, message: str, *, reason: str, status: int | None = None,
+                 moved_to: str | None = None) -> None:
         super().__init__(message)
         self.url = url
         self.reason = reason
         self.status = status
+        self.moved_to = moved_to  # a draining node handed the step's session to this node
 
 
 class Unauthorized(MeshError):
@@ -126,8 +128,20 @@ class TooManyGenerations(MeshError):
 
 
 class Draining(MeshError):
-    """The node is shutting down: it finishes what it runs and takes nothing new."""
+    """The node is shutting down: it finishes what it runs and takes nothing new. ``moved_to``: the node a step's
+    session was handed to, where it goes on without computing anything again."""
 
     status = 503
     code = "draining"
     retry_after = 5
+
+    def __init__(self, message: str, *, moved_to: str | None = None) -> None:
+        super().__init__(message)
+        self.moved_to = moved_to
+
+
+class NoRoom(MeshError):
+    """A session sent to this node does not fit its session cache's bounds."""
+
+    status = 507
+    code = "insufficient_storage"

@@ -19,6 +19,7 @@ import aiohttp
 from daemon.api import auth_headers
 from daemon.api.tls import NodeTLS, client_context
 from daemon.config import NodeConfig
+from daemon.handover import Handover
 from daemon.kvstore import SessionCacheStore
 from daemon.mesh.head import Head, HeadSettings
 from daemon.mesh.peers import PeerDirectory
@@ -60,6 +61,7 @@ class Node(NodeView):
         ))
         super().__init__(url=config.url, node_id=node_id, service=service, head=head, peers=peers, planner=planner,
                          metrics=metrics, quantize=config.quantize)
+        self.handover = Handover(service, peers, lambda: self.forwards_in_flight)
 
     @classmethod
     def load(cls, config: NodeConfig, folder: Path, start: int, end: int, threads: int, *,
@@ -127,17 +129,27 @@ class Node(NodeView):
         log.info("announced this node to %s", seed)
         self.peers.learn_listed(answer.get("peers") if isinstance(answer, dict) else None, source=seed)
 
-    async def say_leaving(self) -> None:
-        """Tell every peer that answers that this node stops, so their routes leave it at once; a peer that does
-        not hear it finds out at its next poll."""
+    async def hand_over_sessions(self) -> dict[str, str]:
+        """Draining: hand the live sessions of other heads' generations to nodes taking this one's layers over
+        (:mod:`daemon.handover`); the sessions moved, by id."""
+        if self.http is None:
+            return {}
+        return await self.handover.run(self.http, keep=set(self.head.own_sessions))
+
+    async def session_moved_to(self, session_id: str | None) -> str | None:
+        return await self.handover.moved_to(session_id)
+
+    async def say_leaving(self, moved: dict[str, str] | None = None) -> None:
+        """Tell every peer that answers that this node stops, so their routes leave it at once, and which node
+        each handed-on session went to (``moved``); a peer that does not hear it finds out at its next poll."""
         http = self.http
         if http is None:
             return
+        body = {"url": self.url, "leaving": True} | ({"moved": moved} if moved else {})
 
         async def tell(url: str) -> None:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with http.post(url + "/v1/peers/announce", json={"url": self.url, "leaving": True},
-                                     timeout=ANNOUNCE_TIMEOUT) as resp:
+                async with http.post(url + "/v1/peers/announce", json=body, timeout=ANNOUNCE_TIMEOUT) as resp:
                     await resp.read()
 
         await asyncio.gather(*(tell(url) for url in self.peers.up_urls()))

@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from daemon.errors import BadRequest
 
 SESSION = "X-Meshnet-Session"
+SESSION_CONTENT_TYPE = "application/vnd.meshnet.session"  # a session's cache handed to another node (a drain)
 CACHE = "X-Meshnet-Cache"
 PAST_LEN = "X-Meshnet-Past-Len"
 START_LAYER = "X-Meshnet-Start-Layer"
@@ -91,6 +92,11 @@ MAX_SEQUENCE = 1 << 20
 MAX_TOP_LOGPROBS = 20  # alternatives a tail reports per token, as OpenAI allows
 MAX_DRAFT = 32  # drafted tokens one verify step may carry
 _SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def valid_session_id(value: object) -> bool:
+    """Whether ``value`` is a session id as the wire takes it: 1-128 characters of ``[A-Za-z0-9._:-]``."""
+    return isinstance(value, str) and _SESSION_ID.fullmatch(value) is not None
 
 
 @dataclass(frozen=True)

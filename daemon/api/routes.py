@@ -170,6 +170,7 @@ class GenerationStats:
     failovers: int = 0
     reroutes: int = 0
     span_replays: int = 0  # failovers that prefilled only the failed node's replacement, from its inputs so far
+    moved_sessions: int = 0  # failovers to the node a draining node handed its session to: nothing computed again
     stateless_steps: int = 0
     cached_tokens: int = 0  # prompt tokens the nodes already held (a reused prefix), not computed again
     prompt_computed_tokens: int = 0  # positions prefilled or extended for the prompt, re-prefills included

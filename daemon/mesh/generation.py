@@ -17,6 +17,7 @@ The next step's ``past_len`` tells the nodes how many of the verify step's posit
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,6 +34,8 @@ from daemon.mesh.speculation import DraftSession, SpeculationMemory, Speculation
 from daemon.mesh.text import TextStream
 
 REROUTE_CHECK_STEPS = 16  # how often a generation asks whether its route has become far slower
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -198,19 +201,39 @@ class GenerationLoop:
 
     async def _replace_span(self, failure: HopFailed, inputs: dict[int, wire.Activation],
                             history: wire.History | None) -> int | None:
-        """A remote hop failed a decode step: if a live node can run exactly its layers and the head holds the
-        failed hop's inputs for every position, prefill that node alone from them and put it in the route; the
-        index of the hop to go on from. None where it cannot (then every node is prefilled again)."""
+        """A remote hop failed a decode step: put a live node that can run exactly its layers in the route, and
+        return the index of the hop to go on from; None where none can (then every node is prefilled again).
+
+        Where the failed node handed the session to that node as it drained (it said so in its answer, or when
+        it left), the step simply goes on there. Otherwise, where the head holds the failed hop's inputs for
+        every position, that node alone is prefilled from them first."""
         index = next((i for i, hop in enumerate(self.route) if hop.url == failure.url and not hop.local), None)
         if index is None or self.mode != "decode" or self.reuse is not None or index not in inputs:
             return None
-        held = self.replay.inputs(index, self.past_len)
-        if held is None:
-            return None
         failed = self.route[index]
-        hop = self.router.replacement(failed, verifies=self._verifying)
+        moved_to = failure.moved_to or self.router.moved_to(failed.url, self.session_id)
+        hop = self.router.replacement(failed, verifies=self._verifying, moved_to=moved_to)
         if hop is None:
             return None
+        if hop.url == moved_to:
+            self.stats.moved_sessions += 1
+        elif not await self._replay_span(hop, index, history):
+            return None
+        route = [*self.route[:index], hop, *self.route[index + 1:]]
+        self.router.replaced(failed, failure, route, session_id=self.session_id, position=len(self.ids))
+        self.client.release(failed.url, self.session_id)  # a node that answered (a 503) frees the session
+        self.route = route
+        self.stats.route = list(route)
+        self.stats.failovers += 1
+        if self.index is not None:
+            self.index.moved(self.session_id, self.route)
+        return index
+
+    async def _replay_span(self, hop: Hop, index: int, history: wire.History | None) -> bool:
+        """Prefill ``hop`` alone from the inputs the head holds for the hop it replaces; whether it took them."""
+        held = self.replay.inputs(index, self.past_len)
+        if held is None:
+            return False
         tail = index == len(self.route) - 1
         headers = wire.forward_headers(
             held, mode="prefill", session_id=self.session_id, past_len=0, start_layer=hop.start_layer,
@@ -219,17 +242,9 @@ class GenerationLoop:
         try:
             await self.client.step(hop, held, headers, history if tail else None)  # a tail's token is not used
         except HopFailed:
-            return None  # the replacement failed too: a failover of the whole route
-        route = [*self.route[:index], hop, *self.route[index + 1:]]
-        self.router.replaced(failed, failure, route, session_id=self.session_id, position=len(self.ids))
-        self.client.release(failed.url, self.session_id)  # a node that answered (a 503) frees the session
-        self.route = route
-        self.stats.route = list(route)
-        self.stats.failovers += 1
+            return False  # the replacement failed too: a failover of the whole route
         self.stats.span_replays += 1
-        if self.index is not None:
-            self.index.moved(self.session_id, self.route)
-        return index
+        return True
 
     async def _draft(self) -> list[int]:
         """Tokens to verify with the next step: as many as the policy chooses, none past the answer's or the
@@ -331,6 +346,8 @@ class GenerationLoop:
         if self.mode != "decode":
             raise UpstreamError(f"a node answered a cache miss to a {self.mode or 'stateless'} step") from None
         self.stats.cache_misses += 1
+        log.info("generation %s: cache miss at %d positions (%s): %s", self.session_id, self.past_len, miss.reason,
+                 miss.message)
         if self.reuse is not None:  # the prefix could not be used: the whole prompt, as a cold request
             if self.index is not None:
                 if miss.reason == "not_croppable":

@@ -137,6 +137,7 @@ class Head:
         self.model_names = [model_name, *(a for a in aliases if a != model_name)]  # what requests may name
         self.settings = settings
         self.active_generations = 0
+        self.own_sessions: set[str] = set()  # the sessions of the generations running here (their first hop is local)
         self.generations = 0  # finished or abandoned
         self.tokens_generated = 0
         self.prefixes = PrefixIndex(policy=settings.prefix_reuse)
@@ -174,6 +175,7 @@ class Head:
                 "retry shortly or use another node"
             )
         self.active_generations += 1  # taken before any await: concurrent requests cannot all slip past the limit
+        stats: GenerationStats | None = None
         try:
             started = time.perf_counter()
             tokenizer = await self.own.ensure_head()
@@ -190,6 +192,7 @@ class Head:
             route = await self.planner.plan_for_request()
             stats = GenerationStats(session_id=secrets.token_hex(12), prompt_tokens=len(prompt_ids),
                                     sampling=sampling)
+            self.own_sessions.add(stats.session_id)
             reuse: Reuse | None = None
             index = self.prefixes if all(hop.kv_cache for hop in route) else None
             if index is not None:
@@ -219,6 +222,8 @@ class Head:
                     index.forget_if_live(stats.session_id)
         finally:
             self.active_generations -= 1
+            if stats is not None:
+                self.own_sessions.discard(stats.session_id)
 
     def _hop_client(self) -> HopClient:
         if self._hops is None:

@@ -75,12 +75,15 @@ class HopClient:
             reason = info.get("reason", "unknown_session")
             raise CacheMiss(reason, info.get("message", f"{hop.url}: cache miss ({reason})"))
         if resp.status != 200:
-            message = _json_or_empty(body).get("error", {})
+            info = _json_or_empty(body)
+            message = info.get("error", {})
             message = message.get("message") if isinstance(message, dict) else message
             text = f"{hop.url} answered {resp.status}: {message or body[:200]!r}"
             # a 5xx is the node's trouble (a crash, a draining node): another may serve; a 4xx is ours
             if resp.status >= 500:
-                raise HopFailed(hop.url, text, reason="http_status", status=resp.status)
+                moved_to = info.get("moved_to")  # a draining node handed the session to this node
+                raise HopFailed(hop.url, text, reason="http_status", status=resp.status,
+                                moved_to=moved_to if isinstance(moved_to, str) else None)
             raise UpstreamError(text)
         compute_ms = _float_or_none(resp.headers.get(wire.COMPUTE_MS))
         if resp.content_type == wire.ACTIVATION_CONTENT_TYPE:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +42,7 @@ REROUTE_RATIO = 2.0  # a generation moves only to a route this many times faster
 FAILOVER_POLL_SECONDS = 0.5
 IMPATIENT_WAIT_SECONDS = 2.0  # the wait for a route when a generation has produced nothing yet
 EVENTS_KEPT = 50
+MOVES_KEPT = 4096  # sessions leaving nodes said they handed on, newest kept
 
 
 @dataclass
@@ -146,6 +147,7 @@ class RoutePlanner:
         self.http: aiohttp.ClientSession | None = None  # for polling peers while a route is missing
         self.error: str | None = None
         self.planned_at: float | None = None
+        self._moves: OrderedDict[tuple[str, str], str] = OrderedDict()  # (node, session id) -> the node it went to
 
     def candidates(self) -> list[Candidate]:
         return [self._local()] + self.peers.candidates()
@@ -217,15 +219,29 @@ class RoutePlanner:
                         route=route, code=failure.reason, status=failure.status)
             return route
 
-    def replacement(self, failed: Hop, *, verifies: bool) -> Hop | None:
+    def sessions_moved(self, url: str, moved: dict[str, str]) -> None:
+        """A leaving node handed these sessions (id -> node) on: generations whose hop it was go on there."""
+        for session_id, to in moved.items():
+            self._moves[(url, session_id)] = to
+            self._moves.move_to_end((url, session_id))
+        while len(self._moves) > MOVES_KEPT:
+            self._moves.popitem(last=False)
+
+    def moved_to(self, url: str, session_id: str) -> str | None:
+        """Where the node at ``url`` said it handed ``session_id`` when it left, if it did."""
+        return self._moves.get((url, session_id))
+
+    def replacement(self, failed: Hop, *, verifies: bool, moved_to: str | None = None) -> Hop | None:
         """A live node other than ``failed``'s that can run exactly its layers in its place (from its start layer
-        to its end, keeping a cache, taking verify steps where asked), the fastest as measured; None if none."""
+        to its end, keeping a cache, taking verify steps where asked): ``moved_to``, the node the failed one
+        handed the session to, where it can; else the fastest as measured; None if none."""
         options = [c for c in self.peers.candidates()
                    if c.url != failed.url and c.kv_cache and c.start <= failed.start_layer and c.end == failed.end_layer
                    and (c.verifies or not verifies)]
         if not options:
             return None
-        best = min(options, key=lambda c: self.latency.cost(c, failed.layers))
+        best = next((c for c in options if c.url == moved_to), None) or \
+            min(options, key=lambda c: self.latency.cost(c, failed.layers))
         return Hop(best.url, failed.start_layer, failed.end_layer, kv_cache=True, verifies=best.verifies)
 
     def replaced(self, failed: Hop, failure: HopFailed, route: list[Hop], *, session_id: str,

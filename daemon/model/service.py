@@ -20,10 +20,11 @@ import torch
 
 from daemon import wire
 from daemon.api import MemoryInfo, Sampling, SessionInfo
-from daemon.errors import BadRequest, CacheMiss
+from daemon.errors import BadRequest, CacheMiss, NoRoom
 from daemon.kvstore import SessionCacheStore
 from daemon.model.cores import CoreShare
 from daemon.model.device import checkpoint_dtype, dtype_name, resolve_device, resolve_dtype
+from daemon.model.migration import export_session, import_session, movable
 from daemon.model.quantize import check_quantization
 from daemon.model.shard import DecodeStep, ModelShard, StepResult
 from daemon.model.steps import AGAIN, Job, StepQueue
@@ -332,6 +333,38 @@ class ShardService:
             settling.add_done_callback(_SETTLING.discard)
             return True
         return self.store.retain(session_id)
+
+    # ---- sessions moving between nodes (a drain) ----------------------------------------------
+
+    async def export_session(self, session_id: str) -> bytes | None:
+        """A live session's cache as bytes for a node taking this one's layers over (on the torch thread, between
+        steps); None where it is gone or cannot move (:mod:`daemon.model.migration`)."""
+        def export() -> bytes | None:
+            entry = self.store.get(session_id)
+            if entry is None or entry.retained or not movable(self.shard, entry):
+                return None
+            return export_session(self.shard, entry)
+
+        return await self.run(export)
+
+    async def import_session(self, session_id: str, data: bytes) -> SessionInfo:
+        """Take over a session another node sent: checked whole before it is stored (a refusal stores nothing)."""
+        if not self.caches:
+            raise BadRequest("this node keeps no session caches (--no-kv-cache, or its layers take none)")
+        imported = await self.run(import_session, self.shard, data)
+        self.store.put(session_id, imported.cache, past_len=imported.past_len, start_layer=imported.start_layer,
+                       nbytes=imported.nbytes)
+        if imported.undo is not None:  # a verify step's rejected drafts may still be cut off, as on the sender
+            self.store.commit(session_id, past_len=imported.past_len, nbytes=imported.nbytes, undo=imported.undo,
+                              rewind_from=imported.rewind_from)
+        entry = self.store.get(session_id)
+        if entry is None:
+            raise NoRoom(f"a session of {imported.nbytes} bytes does not fit this node's session cache "
+                         "(--kv-max-bytes, --kv-max-sessions)")
+        log.info("session %s: taken over, %d positions from layer %d", session_id, entry.past_len,
+                 entry.start_layer)
+        return SessionInfo(entry.session_id, entry.past_len, entry.start_layer, entry.nbytes, entry.created_at,
+                           entry.last_used, entry.expires_at)
 
 
 @dataclass

@@ -49,6 +49,7 @@ def create_app(node: NodeBackend, *, token: str | None = None, max_body_bytes: i
     app.router.add_get("/v1/sessions", status.sessions)
     app.router.add_delete("/v1/sessions/{session_id}", status.drop_session)
     app.router.add_post("/v1/sessions/{session_id}/retain", status.retain_session)
+    app.router.add_post("/v1/sessions/{session_id}/import", status.import_session)
     app.router.add_get("/v1/route", status.route)
     app.router.add_post("/v1/peers", status.add_peer)
     app.router.add_post("/v1/peers/announce", status.announce)

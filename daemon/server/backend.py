@@ -44,6 +44,7 @@ class NodeBackend(Protocol):
     head: ChatHead
     metrics: Metrics
     draining: bool  # shutting down: finish what runs, take nothing new
+    forwards_in_flight: int  # /forward requests past the drain check and not yet answered
 
     def status(self) -> NodeStatus: ...
 
@@ -60,6 +61,12 @@ class NodeBackend(Protocol):
         """Add a peer and ask it for its status at once; the peers as they stand then."""
 
     def remove_peer(self, url: str) -> bool: ...
+
+    def peer_left(self, url: str, moved: dict[str, str] | None = None) -> bool: ...
+
+    async def session_moved_to(self, session_id: str | None) -> str | None:
+        """Draining: the node a session's steps go to now that this one handed it on (waiting for a transfer
+        under way); None where it stays."""
 
     def serving(self) -> AbstractAsyncContextManager[None]:
         """Background work while the app serves (peer polls, the hop client), stopped when it ends."""

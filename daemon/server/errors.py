@@ -8,7 +8,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestPayloadError
 
-from daemon.errors import BadRequest, CacheMiss, MeshError
+from daemon.errors import BadRequest, CacheMiss, Draining, MeshError
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,8 @@ def error_response(exc: MeshError) -> web.Response:
         body = {"error": "cache_miss", "reason": exc.reason, "message": exc.message}
     else:
         body = error_body(exc.message, type=exc.type, code=exc.code, param=exc.param)
+        if isinstance(exc, Draining) and exc.moved_to:
+            body["moved_to"] = exc.moved_to  # the node that took the step's session over (a head goes on there)
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
     return web.json_response(body, status=exc.status, headers=headers)
 

@@ -17,6 +17,7 @@ from aiohttp import web
 from daemon.errors import Draining, Unauthorized
 from daemon.logs import REQUEST_ID_HEADER, request_id, request_id_from
 from daemon.server.keys import NODE
+from daemon.wire import SESSION
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,20 @@ def body_limit_middleware(max_bytes: int):
 
 @web.middleware
 async def drain_middleware(request: web.Request, handler):
-    if request.app[NODE].draining and request.path not in READ_ONLY:
-        raise Draining("this node is shutting down; send the request to another node or retry shortly")
-    return await handler(request)
+    node = request.app[NODE]
+    forward = request.path == "/forward"
+    if node.draining and request.path not in READ_ONLY:
+        # a step of a session being handed on waits for its transfer, then names the node that took it
+        moved_to = await node.session_moved_to(request.headers.get(SESSION)) if forward else None
+        raise Draining("this node is shutting down; send the request to another node or retry shortly",
+                       moved_to=moved_to)
+    if not forward:
+        return await handler(request)
+    node.forwards_in_flight += 1  # a drain hands sessions on once the steps taken before it have ended
+    try:
+        return await handler(request)
+    finally:
+        node.forwards_in_flight -= 1
 
 
 # ---- CORS: which browser pages may call this node ----------------------------------------------

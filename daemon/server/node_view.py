@@ -36,6 +36,7 @@ class NodeView:
         self.metrics = metrics
         self.quantize = quantize
         self.draining = False  # set on SIGTERM: finish what runs, take nothing new
+        self.forwards_in_flight = 0  # /forward requests past the drain check and not yet answered
         self.started_at = time.time()
         self.http: aiohttp.ClientSession | None = None
 
@@ -92,8 +93,11 @@ class NodeView:
             await self.peers.refresh(self.http)
         return joined, self.peers.summaries()
 
-    def peer_left(self, url: str) -> bool:
-        """A node said it stops: out of this node's routes now; False when it was not a peer."""
+    def peer_left(self, url: str, moved: dict[str, str] | None = None) -> bool:
+        """A node said it stops: out of this node's routes now; False when it was not a peer. ``moved``: the
+        sessions it handed to other nodes, where this node's generations go on with them."""
+        if moved:
+            self.planner.sessions_moved(url, moved)
         return self.peers.left(url)
 
     def remove_peer(self, url: str) -> bool:

@@ -5,10 +5,13 @@ from __future__ import annotations
 from aiohttp import web
 from yarl import URL
 
+from daemon import wire
 from daemon.errors import BadRequest, Draining, NotFound
 from daemon.metrics import CONTENT_TYPE
 from daemon.server.errors import read_json
 from daemon.server.keys import NODE
+
+MAX_MOVED = 4096  # sessions a leaving node may name at once
 
 
 async def health(request: web.Request) -> web.Response:
@@ -48,6 +51,19 @@ async def retain_session(request: web.Request) -> web.Response:
     if not request.app[NODE].retain_session(session_id, int(raw) if raw is not None else None):
         raise NotFound(f"no session {session_id!r} on this node", param="session_id")
     return web.json_response({"retained": session_id})
+
+
+async def import_session(request: web.Request) -> web.Response:
+    """A draining node hands this one a live session of layers this node takes over (node to node, with the mesh's
+    token): the session's cache as a safetensors file, checked whole before it is stored."""
+    session_id = request.match_info["session_id"]
+    if not wire.valid_session_id(session_id):
+        raise BadRequest("a session id is 1-128 characters of [A-Za-z0-9._:-]", param="session_id")
+    if request.content_type != wire.SESSION_CONTENT_TYPE:
+        raise BadRequest(f"a session transfer is sent as {wire.SESSION_CONTENT_TYPE}, not {request.content_type}")
+    info = await request.app[NODE].service.import_session(session_id, await request.read())
+    return web.json_response({"imported": session_id, "past_len": info.past_len, "start_layer": info.start_layer,
+                              "bytes": info.bytes})
 
 
 async def route(request: web.Request) -> web.Response:
@@ -90,11 +106,29 @@ async def announce(request: web.Request) -> web.Response:
     leaving = body.get("leaving", False)
     if not isinstance(leaving, bool):
         raise BadRequest(f"leaving must be true or false, got {str(leaving)[:40]!r}", param="leaving")
+    moved = _moved(body.get("moved", {}))
+    if moved and not leaving:
+        raise BadRequest("moved sessions are named only by a node that is leaving", param="moved")
     node = request.app[NODE]
     if leaving:
-        return web.json_response({"left": url, "known": node.peer_left(url)})
+        return web.json_response({"left": url, "known": node.peer_left(url, moved)})
     joined, peers = await node.peer_announced(url)
     return web.json_response({"joined": joined, "peers": [p.to_dict() for p in peers]})
+
+
+def _moved(value) -> dict[str, str]:
+    """A leaving node's sessions and the nodes it handed them to: ``{"session id": "http://..."}``."""
+    if not isinstance(value, dict) or len(value) > MAX_MOVED:
+        raise BadRequest(f"moved must be an object of at most {MAX_MOVED} session ids and node addresses",
+                         param="moved")
+    for session_id in value:
+        if not wire.valid_session_id(session_id):
+            raise BadRequest("moved names a session id that is not 1-128 characters of [A-Za-z0-9._:-]",
+                             param="moved")
+    try:
+        return {session_id: _peer_url(url) for session_id, url in value.items()}
+    except BadRequest as exc:
+        raise BadRequest(f"moved: {exc.message}", param="moved") from None
 
 
 async def remove_peer(request: web.Request) -> web.Response:

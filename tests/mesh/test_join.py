@@ -73,10 +73,18 @@ def test_announcements_need_the_key_and_are_validated(default_model, tmp_path):
     try:
         url = node.url + "/v1/peers/announce"
         assert http_json("POST", url, {"url": "http://127.0.0.1:9"})[0] == 401  # no key
-        for body, param in [({"url": "ftp://x:1"}, "url"), ({"url": "http://127.0.0.1:9", "leaving": "yes"},
-                                                             "leaving"), ([1, 2], None)]:
+        peer = "http://127.0.0.1:9"
+        for body, param in [({"url": "ftp://x:1"}, "url"), ({"url": peer, "leaving": "yes"}, "leaving"),
+                            ([1, 2], None), ({"url": peer, "leaving": True, "moved": [1]}, "moved"),
+                            ({"url": peer, "leaving": True, "moved": {"no spaces": "http://127.0.0.1:8"}}, "moved"),
+                            ({"url": peer, "leaving": True, "moved": {"s1": "ftp://x:1"}}, "moved"),
+                            ({"url": peer, "moved": {"s1": "http://127.0.0.1:8"}}, "moved")]:  # only when leaving
             status, answer = http_json("POST", url, body, token=KEY)
             assert status == 400 and answer["error"].get("param") == param, answer
+        handed = node.url + "/v1/sessions/s1/import"  # a draining node's transfer: node to node, with the key too
+        assert send("POST", handed, b"x", {"Content-Type": "application/vnd.meshnet.session"}).status == 401
+        reply = send("POST", handed, b"x", {"Content-Type": "application/json"} | bearer(KEY))
+        assert reply.status == 400 and b"application/vnd.meshnet.session" in reply.body
         reply = send("POST", url, b"{not json", {"Content-Type": "application/json"} | bearer(KEY))
         assert reply.status == 400
         status, answer = http_json("POST", url, {"url": "http://127.0.0.1:9"}, token=KEY)

@@ -263,6 +263,7 @@ class FakeNode:
         self.session_infos = list(sessions)
         self.metrics = Metrics(lambda: session_list(self.session_infos).store)
         self.draining = False
+        self.forwards_in_flight = 0
         self.deleted: list[str] = []
         self.peer_requests: list[tuple[str, str]] = []
 
@@ -299,6 +300,9 @@ class FakeNode:
             return False
         self.peers.remove(url)
         return True
+
+    async def session_moved_to(self, session_id: str | None) -> str | None:
+        return None  # it holds no sessions to hand on
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:

@@ -99,8 +99,11 @@ class FixedRouter:
     def reroute(self, route, *, session_id, position) -> list[Hop] | None:
         return self.route if position == self.reroute_at else None
 
-    def replacement(self, failed, *, verifies) -> Hop | None:
+    def replacement(self, failed, *, verifies, moved_to=None) -> Hop | None:
         return None  # every failover here moves the whole route
+
+    def moved_to(self, url, session_id) -> str | None:
+        return None
 
     def replaced(self, failed, failure, route, *, session_id, position) -> None:
         raise AssertionError("no replacement was offered")
@@ -177,6 +180,34 @@ def test_a_failed_hop_is_replaced_by_a_node_of_its_layers_prefilled_alone_from_i
                            (other, "decode", 1), (other, "decode", 1), (other, "decode", 1)]
     assert stats.route[1].url == other and router.route == stats.route
     assert (router.events[-1].kind, router.events[-1].failed) == ("failover", failed)
+
+
+@pytest.mark.parametrize("told", ["in its answer", "when it left"])
+def test_a_session_a_draining_node_handed_on_goes_on_there_with_nothing_computed_again(told):
+    """A draining node sent the session's cache to another node of its layers: the failed step goes on there at
+    once, told by the node's 503 (``moved_to``) or, once it is gone, by its leaving announcement."""
+    router = planner([R1, R2])
+    route = router.plan()
+    failed = route[1].url
+    other = R2 if failed == R1 else R1
+    if told == "in its answer":
+        failure = HopFailed(failed, f"{failed} answered 503", reason="http_status", status=503, moved_to=other)
+    else:
+        failure = HopFailed(failed, f"{failed} is unreachable: connection refused", reason="unreachable")
+
+    class Told(Tails):
+        async def step(self, hop, activation, headers, history=None):
+            if told == "when it left" and len(self.steps) == 2:  # it left, naming the node it handed the session to
+                router.sessions_moved(failed, {headers[wire.SESSION]: other})
+            return await super().step(hop, activation, headers, history)
+
+    tails = Told({3: failure})
+    events, stats = generate(router, tails, route, max_tokens=5)
+    assert len(events) == 5
+    assert (stats.failovers, stats.moved_sessions, stats.span_replays, stats.reprefills) == (1, 1, 0, 0)
+    assert tails.steps == [(failed, "prefill", 3), (failed, "decode", 1), (failed, "decode", 1), (other, "decode", 1),
+                           (other, "decode", 1), (other, "decode", 1)]  # no prefill anywhere after the move
+    assert stats.route[1].url == other
 
 
 def test_past_the_inputs_budget_a_failover_prefills_the_whole_route(monkeypatch):

@@ -10,7 +10,7 @@ modules together). Layers of the daemon, lowest first (``docs/architecture.md``:
     model                       torch: the shard, the /forward step
     mesh                        the head: routes, the generation loop
     server                      aiohttp handlers
-    node                        the wiring
+    node, handover              the wiring, and a draining node's sessions handed to its peers
     bench, plan                 meshd bench, meshd plan: their own trees, which never import the command line
     cli                         meshd's command line (``meshd bench`` imports the bench lazily)
 """
@@ -31,7 +31,7 @@ LAYERS = [
     ("daemon.model",),
     ("daemon.mesh",),
     ("daemon.server",),
-    ("daemon.node",),
+    ("daemon.node", "daemon.handover"),
     ("daemon.bench", "daemon.plan"),
     ("daemon.cli",),
 ]
