@@ -152,6 +152,7 @@ class PeerSummary:
     last_seen: float | None = None
     error: str | None = None
     learned_from: str | None = None  # None: a seed or added by the operator; "announced"; else who reported it
+    node_id: str | None = None  # the run of the peer's process last seen: a restarted node has another
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -187,14 +187,16 @@ class GenerationLoop:
         inputs: dict[int, wire.Activation] = {}
         step = dict(mode=self.mode, session_id=self.session_id, past_len=self.past_len, sampling=sampling,
                     prefix=self.reuse, on_hop=self._observe, history=history, draft=draft or None, inputs=inputs)
-        try:
-            reply = await run_step(self.backend, self.client, self.route, feed, **step)
-        except HopFailed as failure:
-            index = await self._replace_span(failure, inputs, history)
-            if index is None:
-                raise
-            reply = await run_step(self.backend, self.client, self.route, feed, **step,
-                                   resume=(index, inputs[index]))
+        resume, replaced = None, 0
+        while True:  # a hop that fails is replaced and the step goes on from it: several may drain at once
+            try:
+                reply = await run_step(self.backend, self.client, self.route, feed, **step, resume=resume)
+                break
+            except HopFailed as failure:
+                index = await self._replace_span(failure, inputs, history) if replaced < len(self.route) else None
+                if index is None:
+                    raise  # a failover of the whole route
+                resume, replaced = (index, inputs[index]), replaced + 1
         if self.mode is not None:  # the positions every hop now holds, from where this step began
             self.replay.record(self.past_len if self.mode == "decode" else 0, inputs)
         return reply

@@ -56,6 +56,7 @@ class PeerState:
             last_seen=self.last_seen,
             error=self.error,
             learned_from=self.learned_from,
+            node_id=self.status.get("node_id") if self.status else None,
         )
 
     def mark_down(self, error: str, now: float) -> None:
@@ -83,7 +84,7 @@ class PeerDirectory:
         self._self_aliases: set[str] = {self.self_url}  # other addresses that turned out to be this node
         self._removed: set[str] = set()  # removed by the operator: not re-learned from gossip
         # nodes that said they leave, and when: not re-learned from another node's stale list until they announce
-        self._left: dict[str, float] = {}
+        self._left: dict[str, tuple[float, str | None]] = {}  # url -> (when it said it leaves, its run then)
         self.seeds = [normalize_url(seed) for seed in seeds]
         for seed in seeds:
             self.add(seed)
@@ -97,13 +98,14 @@ class PeerDirectory:
         peer = self.peers.setdefault(url, PeerState(url))
         peer.learned_from = None
 
-    def learn(self, url: str, *, source: str) -> None:
-        """A peer another node reported up; kept while it answers."""
+    def learn(self, url: str, *, source: str, node_id: str | None = None) -> None:
+        """A peer another node reported up (``node_id``: the run it saw there); kept while it answers."""
         url = normalize_url(url)
         if url in self._self_aliases or url in self._removed or url in self.peers:
             return
-        left = self._left.get(url)
-        if left is not None and self._clock() - left < FORGET_AFTER_SECONDS:
+        left, left_run = self._left.get(url, (None, None))
+        started_again = node_id is not None and left_run is not None and node_id != left_run
+        if left is not None and self._clock() - left < FORGET_AFTER_SECONDS and not started_again:
             return  # it said it leaves: the other node's list is older than that
         self._left.pop(url, None)
         self.peers[url] = PeerState(url, learned_from=source)
@@ -130,7 +132,7 @@ class PeerDirectory:
         peer = self.peers.get(url)
         if peer is None:
             return False
-        self._left[url] = self._clock()
+        self._left[url] = (self._clock(), peer.status.get("node_id") if peer.status else None)
         if peer.learned_from is None:
             peer.mark_down("left the mesh", self._clock())
         else:
@@ -221,7 +223,8 @@ class PeerDirectory:
         """Learn the peers another node lists up (its status's ``peers``, or its answer to an announcement)."""
         for other in listed if isinstance(listed, list) else []:
             if isinstance(other, dict) and other.get("up") and _plausible_url(other.get("url")):
-                self.learn(other["url"], source=source)
+                run = other.get("node_id")
+                self.learn(other["url"], source=source, node_id=run if isinstance(run, str) else None)
 
     def candidates(self) -> list[Candidate]:
         return [

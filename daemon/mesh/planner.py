@@ -235,9 +235,15 @@ class RoutePlanner:
         """A live node other than ``failed``'s that can run exactly its layers in its place (from its start layer
         to its end, keeping a cache, taking verify steps where asked): ``moved_to``, the node the failed one
         handed the session to, where it can; else the fastest as measured; None if none."""
-        options = [c for c in self.peers.candidates()
-                   if c.url != failed.url and c.kv_cache and c.start <= failed.start_layer and c.end == failed.end_layer
-                   and (c.verifies or not verifies)]
+        def fits(c: Candidate) -> bool:
+            return (c.url != failed.url and c.kv_cache and c.start <= failed.start_layer
+                    and c.end == failed.end_layer and (c.verifies or not verifies))
+
+        own = self._local()
+        if own.url == moved_to and fits(own):  # the session was handed to this very node: its hop becomes local
+            return Hop(own.url, failed.start_layer, failed.end_layer, kv_cache=True, local=True,
+                       verifies=own.verifies)
+        options = [c for c in self.peers.candidates() if fits(c)]
         if not options:
             return None
         best = next((c for c in options if c.url == moved_to), None) or \

@@ -205,7 +205,8 @@ def test_a_draft_model_with_another_tokenizer_is_refused_in_one_line(tiny_model,
 @pytest.mark.slow
 def test_a_failover_mid_verify_replays_only_what_was_accepted(default_model, reference_tokens, tmp_path):
     """Two slow replicas of 15-29 (every step 150 ms later), so the kill lands while a verify step is on the wire."""
-    from tests.mesh.test_failover import Stream, holds_session, stop_all
+    from tests.mesh.test_failover import holds_session, stop_all
+    from tests.support.streams import Stream
 
     r2 = Daemon(default_model, "15-29", log_dir=tmp_path, variant="slow-150")
     r1 = Daemon(default_model, "15-29", log_dir=tmp_path, variant="slow-150", peers=[r2])

@@ -52,7 +52,8 @@ class OwnLayers:
 
 
 class Tails:
-    """The remote tails (``HopClient``): step ``n`` answers token ``n``, unless ``trouble`` has an error for it."""
+    """The remote hops (``HopClient``): step ``n`` answers token ``n`` on a tail (its input on a middle hop), unless
+    ``trouble`` has an error for it."""
 
     def __init__(self, trouble: dict[int, Exception] | None = None, *, older: bool = False) -> None:
         self.trouble = trouble or {}
@@ -64,6 +65,8 @@ class Tails:
         self.steps.append((hop.url, headers.get(wire.CACHE), activation.shape[1]))
         if len(self.steps) in self.trouble:
             raise self.trouble[len(self.steps)]
+        if hop.end_layer < 30:  # a middle hop passes the step on
+            return HopReply(activation=activation)
         if self.older:
             return HopReply(text="b")
         return HopReply(token_id=len(self.steps))
@@ -109,13 +112,15 @@ class FixedRouter:
         raise AssertionError("no replacement was offered")
 
 
-def planner(peers: list[str]) -> RoutePlanner:
+def planner(peers: list[str], layers: dict[str, tuple[int, int]] | None = None) -> RoutePlanner:
+    """A head of layers 0-14 and ``peers`` up (layers 15-29, or as ``layers`` says)."""
     directory = PeerDirectory([], self_url=HEAD, fingerprint="f")
     for url in peers:
+        start, end = (layers or {}).get(url, (15, 30))
         directory.add(url)
         directory.peers[url].up = True
-        directory.peers[url].status = {"start": 15, "end": 30, "kv_cache_enabled": True, "supports_kv_cache": True,
-                                       "model": {"fingerprint": "f"}}
+        directory.peers[url].status = {"start": start, "end": end, "kv_cache_enabled": True,
+                                       "supports_kv_cache": True, "model": {"fingerprint": "f"}}
     own = Candidate(HEAD, 0, 15, local=True)
     return RoutePlanner(lambda: own, directory, 30, explore=0.0, failover_wait=0.5, rng=random.Random(1))
 
@@ -208,6 +213,23 @@ def test_a_session_a_draining_node_handed_on_goes_on_there_with_nothing_computed
     assert tails.steps == [(failed, "prefill", 3), (failed, "decode", 1), (failed, "decode", 1), (other, "decode", 1),
                            (other, "decode", 1), (other, "decode", 1)]  # no prefill anywhere after the move
     assert stats.route[1].url == other
+
+
+def test_hops_failing_one_after_another_in_one_step_are_each_replaced_and_the_step_goes_on():
+    """Two nodes of one route drain at once: the step's second hop answers its 503 naming the node it handed the
+    session to, then, resumed there, the third does the same; both are replaced within the step."""
+    a1, a2, b1, b2 = (f"http://127.0.0.1:{port}" for port in (7081, 7082, 7083, 7084))
+    router = planner([a1, a2, b1, b2], {a1: (15, 22), a2: (15, 22), b1: (22, 30), b2: (22, 30)})
+    route = router.plan()
+    (first, second), (other_first, other_second) = [h.url for h in route[1:]], \
+        [a2 if route[1].url == a1 else a1, b2 if route[2].url == b1 else b1]
+    tails = Tails({5: HopFailed(first, "503", reason="http_status", status=503, moved_to=other_first),
+                   7: HopFailed(second, "503", reason="http_status", status=503, moved_to=other_second)})
+    events, stats = generate(router, tails, route, max_tokens=4)
+    assert len(events) == 4
+    assert (stats.failovers, stats.moved_sessions, stats.span_replays, stats.reprefills) == (2, 2, 0, 0)
+    assert [h.url for h in stats.route[1:]] == [other_first, other_second]
+    assert [mode for _, mode, _ in tails.steps].count("prefill") == 2  # the prompt's, on each hop: no other
 
 
 def test_past_the_inputs_budget_a_failover_prefills_the_whole_route(monkeypatch):

@@ -203,6 +203,26 @@ async def test_a_node_that_leaves_is_out_of_routes_at_once_and_not_relearned_fro
     assert not directory.left("http://127.0.0.1:9")  # never a peer
 
 
+async def test_a_node_that_left_and_started_again_is_learned_from_a_list_that_shows_its_new_run(stubs):
+    """A restarted worker announces only to its seed: the other nodes learn it from the seed's list, which names
+    the run it saw there. The run that left stays out; another run is a new start."""
+    (a, b, _), session = stubs
+    a.serve(0, 15, node_id="a", peers=[{"url": b.url, "up": True, "node_id": "b"}])
+    b.serve(15, 30, node_id="b")
+    directory = PeerDirectory([a.url], self_url=SELF, fingerprint="f", node_id=SELF_ID, clock=Clock())
+    await directory.refresh(session)
+    await directory.refresh(session)
+    assert directory.peers[b.url].summary().node_id == "b"  # what this node lists for others
+    assert directory.left(b.url)
+    await directory.refresh(session)
+    assert b.url not in directory.peers  # a's list still shows the run that left
+    b.serve(15, 30, node_id="b2")  # b started again and announced itself to a
+    a.status["peers"] = [{"url": b.url, "up": True, "node_id": "b2"}]
+    await directory.refresh(session)
+    await directory.refresh(session)
+    assert b.url in {x.url for x in directory.candidates()}
+
+
 async def test_seeds_that_do_not_list_this_node_are_the_ones_to_announce_to(stubs):
     (a, b, c), session = stubs
     a.serve(0, 15, node_id="a")

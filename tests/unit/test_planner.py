@@ -230,3 +230,19 @@ def test_a_reroute_event_carries_the_old_routes_expected_step():
     assert (event.kind, event.code) == ("reroute", "slower_route")
     assert event.step_ms == round(route_cost(route, planner.candidates(), planner.latency.cost), 1)
     assert event.reason == f"expected {event.step_ms:.1f} ms per step on the old route"
+
+
+def test_a_replacement_is_the_node_a_session_was_handed_to_even_this_one():
+    """A draining node names the node that took the session: the replacement is that node, where it fits, and the
+    head's own layers (a local hop) when it was handed to the head itself."""
+    planner = make_planner(Clock(), peers={R1: (15, 30), R2: (15, 30), "http://127.0.0.1:7073": (0, 15)})
+    decode(planner, R1, 5.0, 4.0)  # R1 measures fastest: chosen unless told otherwise
+    decode(planner, R2, 50.0, 40.0)
+    failed = Hop("http://127.0.0.1:7079", 15, 30)
+    assert planner.replacement(failed, verifies=False).url == R1
+    assert planner.replacement(failed, verifies=False, moved_to=R2) == Hop(R2, 15, 30)
+    assert planner.replacement(failed, verifies=False, moved_to="http://127.0.0.1:7078").url == R1  # unknown
+    first = Hop("http://127.0.0.1:7073", 0, 15)
+    assert planner.replacement(first, verifies=False, moved_to=HEAD) == Hop(HEAD, 0, 15, local=True)
+    planner.sessions_moved("http://127.0.0.1:7073", {"s1": HEAD})
+    assert planner.moved_to("http://127.0.0.1:7073", "s1") == HEAD and planner.moved_to(R1, "s1") is None

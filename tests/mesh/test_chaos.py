@@ -1,0 +1,162 @@
+"""Churn as it comes: 16 nodes (4 layer ranges x 4 replicas) serving 8 streams of 200 tokens while nodes die and
+come back, then while every worker is restarted in turn.
+
+The workers know only the head (they join by announcing). Every answer must be ``generate``'s; through the
+rolling restart, where every draining node hands its sessions to a replica, no answer may re-prefill.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.support.http_client import send
+from tests.support.meshd import Daemon
+from tests.support.streams import Stream
+
+pytestmark = pytest.mark.slow  # minutes of 16 processes: in .ci/run, not in the fast subset
+
+RANGES = ("0-7", "8-15", "16-22", "23-29")
+REPLICAS = 4
+TOKENS = 200
+STREAMS = 8
+PROMPTS = [[{"role": "user", "content": "Describe the water cycle to a ten-year-old."}],
+           [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]]
+KILL_EVERY = 4.0  # seconds between kills
+BACK_AFTER = 5.0  # a killed node is started again this long after
+NODE_OPTIONS = ["--kv-max-sessions", "64"]  # a replica may take every stream of another's at once
+
+
+def request(prompt: list[dict]) -> dict:
+    return {"messages": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def mesh(default_model, tmp_path_factory):
+    """(the head, serving 0-7 and every chat; the 15 workers, each started with only ``--peer HEAD``)."""
+    log_dir = tmp_path_factory.mktemp("chaos")
+    head = Daemon(default_model, RANGES[0], log_dir=log_dir, extra=NODE_OPTIONS)
+    workers: list[Daemon] = []
+    try:
+        head.wait_ready()
+        workers = [Daemon(default_model, layers, peers=[head], log_dir=log_dir, extra=NODE_OPTIONS)
+                   for layers in RANGES for _ in range(REPLICAS - (layers == RANGES[0]))]
+        for worker in workers:
+            worker.wait_ready()
+        everyone_knows_everyone(head, workers)
+        yield head, workers
+    finally:
+        for daemon in [head, *workers]:
+            daemon.stop()
+
+
+def everyone_knows_everyone(head: Daemon, workers: list[Daemon]) -> None:
+    """Wait until every node sees the 15 others up: a worker learns the rest from the head's status (gossip), and a
+    draining node hands its sessions only to replicas it knows."""
+    for node in [head, *workers]:
+        node.wait_peers(len(workers), timeout=60)
+
+
+def run_streams(head: Daemon) -> tuple[list[threading.Thread], dict[int, dict]]:
+    results: dict[int, dict] = {}
+
+    def run(i: int) -> None:
+        results[i] = Stream(head, request(PROMPTS[i % len(PROMPTS)])).finish()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(STREAMS)]
+    for thread in threads:
+        thread.start()
+    return threads, results
+
+
+def check_answers(results: dict[int, dict], reference_tokens) -> None:
+    assert sorted(results) == list(range(STREAMS))
+    for i, stats in results.items():
+        assert "error" not in stats, f"stream {i}: {stats}"
+        assert stats["token_ids"] == reference_tokens(PROMPTS[i % len(PROMPTS)], TOKENS, ignore_eos=True), \
+            f"stream {i}"
+
+
+def summary(what: str, results: dict[int, dict]) -> str:
+    counts = {key: sum(stats[key] for stats in results.values())
+              for key in ("failovers", "moved_sessions", "span_replays", "reprefills")}
+    rates = sorted(round(stats["decode_tokens_per_second"], 1) for stats in results.values())
+    return f"{what}: {len(results)} of {STREAMS} answers generate's; {counts}; tok/s per stream {rates}"
+
+
+def answers(daemon: Daemon) -> bool:
+    try:
+        return send("GET", daemon.url + "/health", timeout=0.5).status == 200
+    except OSError:
+        return False
+
+
+def test_eight_streams_come_through_a_node_killed_every_four_seconds(mesh, reference_tokens):
+    head, workers = mesh
+    for prompt in PROMPTS:  # before the streams: generate would otherwise take the cores from the mesh
+        reference_tokens(prompt, TOKENS, ignore_eos=True)
+    rng = random.Random(28)
+    killed: dict[Daemon, float] = {}  # killed, when
+    starting: set[Daemon] = set()  # started again, not yet serving
+    kills = 0
+    threads, results = run_streams(head)
+    next_kill = time.monotonic() + KILL_EVERY
+    while any(t.is_alive() for t in threads):
+        now = time.monotonic()
+        for node, at in list(killed.items()):
+            if now - at >= BACK_AFTER:
+                node.restart()
+                starting.add(node)
+                del killed[node]
+        starting -= {node for node in starting if answers(node)}
+        if now >= next_kill:
+            serving = [w for w in workers if w not in killed and w not in starting]
+            # never the last node serving its range: the head serves 0-7 throughout
+            victims = [w for w in serving if w.layers == RANGES[0]
+                       or sum(o.layers == w.layers for o in serving) >= 2]
+            victim = rng.choice(victims)
+            victim.kill()
+            killed[victim] = now
+            kills += 1
+            next_kill += KILL_EVERY
+        time.sleep(0.1)
+    for node in killed:
+        node.restart()
+    for node in [*killed, *starting]:
+        node.wait_ready()
+    assert kills >= 3, f"the streams ended after {kills} kills"
+    check_answers(results, reference_tokens)
+    print(summary(f"{kills} kills", results))  # shown with -rP
+
+
+def test_a_rolling_restart_of_every_worker_moves_every_stream_without_a_re_prefill(mesh, reference_tokens):
+    head, workers = mesh
+    everyone_knows_everyone(head, workers)
+    threads, results = run_streams(head)
+    time.sleep(1.0)
+    rounds = [[w for w in workers if w.layers == layers] for layers in RANGES]
+    restarted = 0
+    for round_ in zip(*(r + [None] * (REPLICAS - len(r)) for r in rounds)):  # one node of each range at a time
+        nodes = [n for n in round_ if n is not None]
+        for node in nodes:
+            node.proc.send_signal(signal.SIGTERM)
+        for node in nodes:
+            assert node.proc.wait(timeout=60) == 0
+            node.restart()
+        for node in nodes:
+            node.wait_ready()
+        restarted += len(nodes)
+        everyone_knows_everyone(head, workers)  # the next round's nodes hand their sessions to these
+    for thread in threads:
+        thread.join()
+    assert restarted == len(workers)
+    check_answers(results, reference_tokens)
+    for i, stats in results.items():
+        assert stats["reprefills"] == 0 and stats["span_replays"] == 0, f"stream {i}: {stats}"
+    assert sum(stats["moved_sessions"] for stats in results.values()) >= STREAMS, \
+        "the streams ended before the workers they ran on were restarted"
+    print(summary(f"{restarted} workers restarted", results))
