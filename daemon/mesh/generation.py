@@ -203,25 +203,27 @@ class GenerationLoop:
 
     async def _replace_span(self, failure: HopFailed, inputs: dict[int, wire.Activation],
                             history: wire.History | None) -> int | None:
-        """A remote hop failed a decode step: put a live node that can run exactly its layers in the route, and
-        return the index of the hop to go on from; None where none can (then every node is prefilled again).
+        """A remote hop failed a decode step: put live nodes that run exactly its layers in the route, and return
+        the index of the hop to go on from; None where none can (then every node is prefilled again).
 
-        Where the failed node handed the session to that node as it drained (it said so in its answer, or when
-        it left), the step simply goes on there. Otherwise, where the head holds the failed hop's inputs for
-        every position, that node alone is prefilled from them first."""
+        Where the failed node handed the session to such a node as it drained (it said so in its answer, or when
+        it left), the step simply goes on there. Otherwise, where the head holds the failed hop's inputs for every
+        position, the node taking its place alone is prefilled from them first; where no one node runs exactly
+        its layers, a chain of nodes that together do is, each from the one before it."""
         index = next((i for i, hop in enumerate(self.route) if hop.url == failure.url and not hop.local), None)
         if index is None or self.mode != "decode" or self.reuse is not None or index not in inputs:
             return None
         failed = self.route[index]
         moved_to = failure.moved_to or self.router.moved_to(failed.url, self.session_id)
         hop = self.router.replacement(failed, verifies=self._verifying, moved_to=moved_to)
-        if hop is None:
-            return None
-        if hop.url == moved_to:
+        if hop is not None and hop.url == moved_to:
+            hops = [hop]
             self.stats.moved_sessions += 1
-        elif not await self._replay_span(hop, index, history):
-            return None
-        route = [*self.route[:index], hop, *self.route[index + 1:]]
+        else:
+            hops = [hop] if hop is not None else self.router.replacement_chain(failed, verifies=self._verifying)
+            if not hops or not await self._replay_span(hops, index, history):
+                return None
+        route = [*self.route[:index], *hops, *self.route[index + 1:]]
         self.router.replaced(failed, failure, route, session_id=self.session_id, position=len(self.ids))
         self.client.release(failed.url, self.session_id)  # a node that answered (a 503) frees the session
         self.route = route
@@ -231,20 +233,29 @@ class GenerationLoop:
             self.index.moved(self.session_id, self.route)
         return index
 
-    async def _replay_span(self, hop: Hop, index: int, history: wire.History | None) -> bool:
-        """Prefill ``hop`` alone from the inputs the head holds for the hop it replaces; whether it took them."""
+    async def _replay_span(self, hops: list[Hop], index: int, history: wire.History | None) -> bool:
+        """Prefill ``hops`` (in place of the route's hop ``index``) from the inputs the head holds for it, each from
+        the one before it; whether they all took them. Their inputs are kept as the failed hop's were."""
         held = self.replay.inputs(index, self.past_len)
         if held is None:
             return False
-        tail = index == len(self.route) - 1
-        headers = wire.forward_headers(
-            held, mode="prefill", session_id=self.session_id, past_len=0, start_layer=hop.start_layer,
-            hop_index=index, sampling=self.request.sampling.to_wire() if tail else None,
-            history=history if tail else None)
-        try:
-            await self.client.step(hop, held, headers, history if tail else None)  # a tail's token is not used
-        except HopFailed:
-            return False  # the replacement failed too: a failover of the whole route
+        spans = []
+        for k, hop in enumerate(hops):
+            tail = index == len(self.route) - 1 and k == len(hops) - 1
+            headers = wire.forward_headers(
+                held, mode="prefill", session_id=self.session_id, past_len=0, start_layer=hop.start_layer,
+                hop_index=index + k, sampling=self.request.sampling.to_wire() if tail else None,
+                history=history if tail else None)
+            try:
+                reply = await self.client.step(hop, held, headers, history if tail else None)  # a tail's token: unused
+            except HopFailed:
+                return False  # a replacement failed too: a failover of the whole route
+            spans.append(held)
+            if not tail:
+                if reply.activation is None:
+                    return False
+                held = reply.activation
+        self.replay.splice(index, spans)
         self.stats.span_replays += 1
         return True
 

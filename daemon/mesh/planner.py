@@ -250,6 +250,22 @@ class RoutePlanner:
             min(options, key=lambda c: self.latency.cost(c, failed.layers))
         return Hop(best.url, failed.start_layer, failed.end_layer, kv_cache=True, verifies=best.verifies)
 
+    def replacement_chain(self, failed: Hop, *, verifies: bool) -> list[Hop] | None:
+        """Live nodes other than ``failed``'s that run exactly its layers in its place as a chain of several hops
+        (where no one node can: the mesh is split otherwise there), the cheapest as measured; None if none."""
+        start, end = failed.start_layer, failed.end_layer
+        shifted = [Candidate(c.url, max(c.start, start) - start, c.end - start, kv_cache=True, verifies=c.verifies,
+                             busy=c.busy)
+                   for c in self.peers.candidates()
+                   if c.url != failed.url and c.kv_cache and c.start < end and start < c.end <= end
+                   and (c.verifies or not verifies)]
+        try:
+            chain = plan_route(shifted, end - start, self.latency.cost)
+        except RouteUnavailable:
+            return None
+        return [Hop(h.url, h.start_layer + start, h.end_layer + start, kv_cache=True, verifies=h.verifies)
+                for h in chain]
+
     def replaced(self, failed: Hop, failure: HopFailed, route: list[Hop], *, session_id: str,
                  position: int) -> None:
         """``failed``'s hop was given to another node, prefilled alone: a failover like any other."""

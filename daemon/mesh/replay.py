@@ -3,8 +3,9 @@
 Every step sends each remote hop of the route its input activations (the hidden states after the layers before
 it). The head keeps them, per hop, for every position the nodes hold, in the wire's dtype. When a node fails
 mid-generation and a live node can run exactly its layers, that node alone is prefilled from the failed one's
-inputs, and the step that failed goes on from there; the nodes that did not fail keep their sessions and compute
-nothing again (:meth:`daemon.mesh.generation.GenerationLoop._replace_span`).
+inputs (where it takes several nodes, a chain of them, each from the one before it), and the step that failed goes
+on from there; the nodes that did not fail keep their sessions and compute nothing again
+(:meth:`daemon.mesh.generation.GenerationLoop._replace_span`).
 
 Cost: a position's hidden state per remote hop, ``hidden_size x 4`` bytes on a float32 wire (2.3 KB for the
 built-in model, 32 KB for a 70B model's 8192). A generation's inputs are bounded by ``REPLAY_BUDGET_BYTES``;
@@ -86,6 +87,17 @@ class ReplayInputs:
         """Hop ``index``'s inputs for positions ``0..positions-1``, if all are held."""
         span = self.spans.get(index)
         return span.activation(positions) if span is not None else None
+
+    def splice(self, index: int, inputs: list[wire.Activation]) -> None:
+        """Hop ``index`` was replaced by ``len(inputs)`` hops whose inputs so far are ``inputs``: the hops after it
+        move along."""
+        if self.over_budget:
+            return
+        moved = {(i if i < index else i + len(inputs) - 1): span for i, span in self.spans.items() if i != index}
+        for k, activation in enumerate(inputs):
+            span = SpanInputs(activation.dtype, activation.shape[2], wire.DTYPE_SIZES[activation.dtype])
+            moved[index + k] = span if span.keep(0, activation) else None
+        self.spans = moved
 
     def clear(self) -> None:
         """The route changed under every hop (a full re-prefill): what is held no longer matches its hops."""

@@ -105,6 +105,9 @@ class FixedRouter:
     def replacement(self, failed, *, verifies, moved_to=None) -> Hop | None:
         return None  # every failover here moves the whole route
 
+    def replacement_chain(self, failed, *, verifies) -> list[Hop] | None:
+        return None
+
     def moved_to(self, url, session_id) -> str | None:
         return None
 
@@ -230,6 +233,40 @@ def test_hops_failing_one_after_another_in_one_step_are_each_replaced_and_the_st
     assert (stats.failovers, stats.moved_sessions, stats.span_replays, stats.reprefills) == (2, 2, 0, 0)
     assert [h.url for h in stats.route[1:]] == [other_first, other_second]
     assert [mode for _, mode, _ in tails.steps].count("prefill") == 2  # the prompt's, on each hop: no other
+
+
+def test_a_failed_hop_no_one_node_can_replace_is_replaced_by_a_chain_each_prefilled_from_the_one_before():
+    """The tail of layers 15-29 dies; the live nodes split those layers 15-21 and 22-29: both are prefilled, the
+    first from the inputs the head kept and the second from the first's outputs, and the step goes on there."""
+    a, b = "http://127.0.0.1:7081", "http://127.0.0.1:7082"
+    router = planner([R1, a, b], {a: (15, 22), b: (22, 30)})
+    decode_ms = {R1: 5.0, a: 50.0, b: 50.0}  # R1 measures fastest: the route takes it
+    for url, ms in decode_ms.items():
+        router.observe(Hop(url, 15, 30), mode="decode", total_ms=ms, compute_ms=ms / 2)
+    route = router.plan()
+    assert route[1].url == R1
+    tails = Tails({3: HopFailed(R1, f"{R1} is unreachable: connection reset", reason="unreachable")})
+    events, stats = generate(router, tails, route, max_tokens=5)
+    assert len(events) == 5 and (stats.failovers, stats.span_replays, stats.reprefills) == (1, 1, 0)
+    assert tails.steps[3:6] == [(a, "prefill", 4), (b, "prefill", 4), (a, "decode", 1)]
+    assert [(h.url, h.start_layer, h.end_layer) for h in stats.route] == [(HEAD, 0, 15), (a, 15, 22), (b, 22, 30)]
+    assert tails.steps[-2:] == [(a, "decode", 1), (b, "decode", 1)]
+
+
+def test_after_a_chain_replaced_a_hop_each_of_its_hops_can_be_replaced_from_its_own_inputs():
+    a, b, c = "http://127.0.0.1:7081", "http://127.0.0.1:7082", "http://127.0.0.1:7083"
+    router = planner([R1, a, b, c], {a: (15, 22), b: (22, 30), c: (22, 30)})
+    for url, ms in {R1: 5.0, a: 50.0, b: 50.0, c: 60.0}.items():
+        router.observe(Hop(url, 15, 30), mode="decode", total_ms=ms, compute_ms=ms / 2)
+    route = router.plan()
+    tails = Tails({3: HopFailed(R1, f"{R1} is unreachable", reason="unreachable"),
+                   9: HopFailed(b, f"{b} is unreachable", reason="unreachable")})  # b: the chain's second hop
+    events, stats = generate(router, tails, route, max_tokens=6)
+    assert len(events) == 6 and (stats.failovers, stats.span_replays, stats.reprefills) == (2, 2, 0)
+    # 8: a decodes position 5; 9: b fails it; c is prefilled with b's inputs for positions 0-4 (a's outputs, kept
+    # at the right index after the chain moved the hops along), then decodes from a's output of the failed step
+    assert tails.steps[8:11] == [(b, "decode", 1), (c, "prefill", 5), (c, "decode", 1)]
+    assert [h.url for h in stats.route] == [HEAD, a, c]
 
 
 def test_past_the_inputs_budget_a_failover_prefills_the_whole_route(monkeypatch):
