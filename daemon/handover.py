@@ -77,8 +77,7 @@ class Handover:
 
     def _taker(self, start_layer: int) -> str | None:
         """The least busy up peer that keeps caches and runs layers ``start_layer`` to this node's end."""
-        end = self._service.end
-        options = [c for c in self._peers.candidates() if c.kv_cache and c.start <= start_layer and c.end == end]
+        options = [c for c in self._peers.candidates() if c.takes_over(start_layer, self._service.end)]
         return min(options, key=lambda c: c.busy).url if options else None
 
     async def _settle(self) -> None:

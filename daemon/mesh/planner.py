@@ -236,8 +236,8 @@ class RoutePlanner:
         to its end, keeping a cache, taking verify steps where asked): ``moved_to``, the node the failed one
         handed the session to, where it can; else the fastest as measured; None if none."""
         def fits(c: Candidate) -> bool:
-            return (c.url != failed.url and c.kv_cache and c.start <= failed.start_layer
-                    and c.end == failed.end_layer and (c.verifies or not verifies))
+            return (c.url != failed.url and c.takes_over(failed.start_layer, failed.end_layer)
+                    and (c.verifies or not verifies))
 
         own = self._local()
         if own.url == moved_to and fits(own):  # the session was handed to this very node: its hop becomes local

@@ -28,6 +28,11 @@ class Candidate:
     verifies: bool = False  # takes verify steps (speculative decoding)
     busy: float = 0.0  # the share of recent time the node spent computing, 0..1, as it reports
 
+    def takes_over(self, start: int, end: int) -> bool:
+        """Whether this node can hold a session of layers ``[start, end)`` in another's place: it keeps a cache and
+        runs from ``start`` (whatever it hosts before) to exactly ``end``."""
+        return self.kv_cache and self.start <= start and self.end == end
+
 
 # expected milliseconds of one decode step of a hop running `layers` layers on a candidate
 HopCost = Callable[[Candidate, int], float]

@@ -97,9 +97,9 @@ def import_session(shard, data: bytes) -> Imported:
         raise BadRequest(f"the session transfer's tensors are not layers {start}-{end - 1}'s keys and values "
                          f"(unexpected {extra[:3]}, missing {missing[:3]})")
     cache = shard.new_cache()
+    shape = _kv_shape(shard.config, past_len)
     for index in range(start, end):
         layer = cache.layers[index]
-        shape = _kv_shape(shard.config, past_len)
         keys, values = tensors[f"keys.{index}"], tensors[f"values.{index}"]
         for name, tensor in ((f"keys.{index}", keys), (f"values.{index}", values)):
             if tensor.dtype != shard.dtype or tuple(tensor.shape) != shape:
