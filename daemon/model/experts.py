@@ -19,7 +19,9 @@ With weight plans (:func:`plan_experts`, ``--tune-kernels on``) each expert matr
 measured fastest for its row count, as a plain ``nn.Linear`` does (:mod:`daemon.model.kernels`), in the layout
 it has: laying a fused tensor out anew would hold it twice for a moment. On a 2-core Xeon one row by a
 1024x2048 bfloat16 gate/up matrix took 0.364 ms with MKL and 0.269 ms with oneDNN; the plan then moves logits
-by rounding, as every bfloat16 plan may (ADR-0039).
+by rounding, as every bfloat16 plan may (ADR-0039). Where every product of the step is planned on ``gemv.c``,
+the step makes each matrix's products for all its pairs in one call (``native.gemv_pairs``: one parallel region
+and one Python call in place of one per expert), each output the one a call per expert makes, bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 
+from daemon.model import native
 from daemon.model.kernels import Plan, measured_plans, plannable_dtype, product, weight_shape
 
 NAME = "meshnet_decode"  # the experts implementation's name in transformers' registry
@@ -56,6 +59,12 @@ def decode_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, t
         pairs_of.setdefault(expert, []).append(pair)
     weight_dtype = self.gate_up_proj.dtype
     plans = getattr(self, "meshnet_plans", None)  # (gate/up, down), set by plan_experts
+    if _all_native(self, plans, pairs_of, hidden_states):
+        which = top_k_index.reshape(-1)
+        x = hidden_states.to(weight_dtype).repeat_interleave(top_k, dim=0)  # pair p's row: its token's
+        h = native.gemv_pairs(self._apply_gate(native.gemv_pairs(x, self.gate_up_proj, which)), self.down_proj, which)
+        weighted = h * top_k_weights.reshape(-1).unsqueeze(-1)
+        return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
     out = torch.empty(tokens * top_k, hidden_states.shape[-1], dtype=weight_dtype, device=hidden_states.device)
     for expert, pairs in pairs_of.items():
         if len(pairs) == 1:  # one token: rows by slicing, as the grouped product takes them
@@ -71,6 +80,17 @@ def decode_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, t
             out[pairs] = h
     weighted = out * top_k_weights.reshape(-1).unsqueeze(-1)  # the routing weight's dtype, as grouped_mm's
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _all_native(experts: torch.nn.Module, plans: tuple[Plan, Plan] | None, pairs_of: dict[int, list[int]],
+                hidden_states: torch.Tensor) -> bool:
+    """Whether every product of the step is planned on ``gemv.c`` (each expert's for as many rows as its pairs): then
+    one call makes each matrix's products for all the pairs, the same outputs as one call per expert."""
+    if plans is None or native.library() is None or not native.supports(
+            hidden_states[:1].to(experts.gate_up_proj.dtype), experts.gate_up_proj[0]):
+        return False
+    counts = {len(pairs) for pairs in pairs_of.values()}
+    return all(plan.kernel(n) == "gemv" for plan in plans for n in counts)
 
 
 def use_decode_experts(model: torch.nn.Module) -> bool:

@@ -328,6 +328,33 @@ void meshnet_gemv(const void *w, const void *x, const void *bias, void *y, long 
     rows_by(dtype == F32 ? W_F32 : W_BF16, w, NULL, x, bias, y, rows, out, in, dtype, scratch);
 }
 
+/* y[p] = w[which[p]] x[p] for each of `pairs` (at most MAX_ROWS) input rows, where w is a stack of [out, in] matrices
+ * `stride` elements apart (a mixture-of-experts layer's experts): every pair's row by its own matrix, all of them
+ * shared out among the threads in one parallel region, four outputs at a time. Each output is the one rows_by
+ * computes for that row and matrix, bit for bit; x and y in `dtype`, as are the weights; `scratch` as rows_by's */
+void meshnet_gemv_pairs(const void *w, long stride, const long *which, long pairs, const void *x, void *y, long out,
+                        long in, int dtype, float *scratch) {
+    struct row xs[MAX_ROWS];
+    const int kind = dtype == F32 ? W_F32 : W_BF16;
+    const long size = dtype == F32 ? 4 : 2;
+    if (pairs > MAX_ROWS) return;
+    if (BF16_PAIRS && kind == W_BF16)
+        for (long m = 0; m < pairs; m++) xs[m].h = (const uint16_t *)x + m * in;
+    else {
+        const float *f = inputs(x, pairs * in, dtype, scratch);
+        for (long m = 0; m < pairs; m++) xs[m].f = f + m * in, xs[m].h = NULL;
+    }
+    const long blocks = (out + 3) / 4;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < pairs * blocks; t++) {
+        const long m = t / blocks, r0 = (t % blocks) * 4;
+        const int count = out - r0 < 4 ? (int)(out - r0) : 4;
+        float v[4];
+        block(kind, (const char *)w + which[m] * stride * size, NULL, r0, count, &xs[m], in, v);
+        for (int i = 0; i < count; i++) store(y, m * out + r0 + i, v[i], dtype);
+    }
+}
+
 /* floats of scratch an int8 product's input row of `n` values takes */
 long meshnet_q8_floats(long n) { return Q8_FLOATS(n); }
 

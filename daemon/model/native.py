@@ -68,6 +68,9 @@ class Library:
         self.gemv = lib.meshnet_gemv
         self.gemv.argtypes = [_P, _P, _P, _P, _L, _L, _L, _I, _P]
         self.gemv.restype = None
+        self.gemv_pairs = lib.meshnet_gemv_pairs
+        self.gemv_pairs.argtypes = [_P, _L, _P, _L, _P, _P, _L, _L, _I, _P]
+        self.gemv_pairs.restype = None
         self.gemv_int8 = lib.meshnet_gemv_int8
         self.gemv_int8.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
         self.gemv_int8.restype = None
@@ -180,6 +183,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     scratch = _scratch(rows * weight.shape[1]) if x.dtype != torch.float32 else None  # bfloat16 rows as float32
     lib.gemv(weight.data_ptr(), x.data_ptr(), _pointer(bias), y.data_ptr(), rows, *weight.shape, _DTYPES[x.dtype],
              scratch)
+    return y
+
+
+def gemv_pairs(x: torch.Tensor, stack: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+    """Row ``p`` of ``x [pairs, in]`` by matrix ``which[p]`` of ``stack [matrices, out, in]`` (a mixture-of-experts
+    layer's experts), each output row ``gemv``'s for that row and matrix bit for bit, all in one call. The caller
+    has checked :func:`supports` on a matrix of the stack and :func:`library`; ``which`` holds int64 indices."""
+    lib = library()
+    x = x.contiguous()
+    pairs = x.shape[0]
+    if pairs > MAX_ROWS or which.dtype != torch.int64 or which.numel() != pairs or not stack.is_contiguous():
+        raise ValueError(f"gemv_pairs takes up to {MAX_ROWS} rows, one int64 index each, by a contiguous stack")
+    which = which.contiguous()
+    y = torch.empty(pairs, stack.shape[1], dtype=x.dtype)
+    scratch = _scratch(pairs * stack.shape[2]) if x.dtype != torch.float32 else None
+    lib.gemv_pairs(stack.data_ptr(), stack.shape[1] * stack.shape[2], which.data_ptr(), pairs, x.data_ptr(),
+                   y.data_ptr(), stack.shape[1], stack.shape[2], _DTYPES[x.dtype], scratch)
     return y
 
 

@@ -10,6 +10,7 @@ from transformers.integrations.moe import grouped_mm_experts_forward
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from daemon.model import experts as decode_experts
+from daemon.model import native
 from daemon.model.experts import MAX_PAIRS, decode_experts_forward
 
 
@@ -94,3 +95,31 @@ def test_expert_plans_choose_kernels_in_the_layout_the_experts_have(monkeypatch)
     assert gate_up.kernels == ("onednn",) and down.kernels == ("blas",)
     assert not gate_up.transposed and not down.transposed and timed_layouts == {"plain"}
     assert module.gate_up_proj.is_contiguous()  # the fused tensor is left as it was
+
+
+@pytest.mark.skipif(native.library() is None, reason="gemv.c does not build here (no C compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "top_k", "shared"), [(1, 4, False), (4, 2, True)])
+def test_experts_planned_on_gemv_run_in_one_call_per_matrix(monkeypatch, dtype, tokens, top_k, shared):
+    """Every pair's product in one call (``native.gemv_pairs``): each output gemv's for that row and expert."""
+    from daemon.model.kernels import Plan
+
+    module = _experts(dtype)
+    module.meshnet_plans = (Plan(False, ("gemv",) * 3), Plan(False, ("gemv",) * 3))
+    hidden = torch.randn(tokens, 64).to(dtype)
+    index, weights = _routing(tokens, top_k, 16, seed=7, shared=shared)
+    calls = []
+    pairs = native.gemv_pairs
+    monkeypatch.setattr(native, "gemv_pairs", lambda *args: calls.append(args[0].shape[0]) or pairs(*args))
+    with torch.inference_mode():
+        got = decode_experts_forward(module, hidden, index, weights)
+        assert calls == [tokens * top_k] * 2
+        # the same products pair by pair
+        per_expert = torch.zeros(tokens * top_k, 64, dtype=dtype)
+        flat = index.reshape(-1)
+        for pair, expert in enumerate(flat.tolist()):
+            x = hidden[pair // top_k:pair // top_k + 1]
+            h = module._apply_gate(native.gemv(x, module.gate_up_proj[expert]))
+            per_expert[pair] = native.gemv(h, module.down_proj[expert])[0]
+    want = (per_expert * weights.reshape(-1).unsqueeze(-1)).view(tokens, top_k, -1).sum(dim=1).to(dtype)
+    assert torch.equal(got, want)
