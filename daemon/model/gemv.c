@@ -364,6 +364,90 @@ void meshnet_gemv_int8(const int8_t *w, const uint16_t *scale, const void *x, co
     rows_by(W_INT8, w, scale, x, bias, y, rows, out, in, dtype, scratch);
 }
 
+/* ---- one decode position through a gated delta net (daemon/model/linear_attention.py) ---------------------
+ *
+ * Qwen3.5's linear-attention layer between its input and output products, for one new position of one sequence:
+ * the causal depthwise convolution over the last `kernel` inputs (its state shifted in place) and SiLU; queries
+ * and keys L2-normalised, queries scaled by 1/sqrt(dk); per value head the decay exp(g) with
+ * g = -exp(A_log) * softplus(a + dt_bias) and the write strength sigmoid(b); the delta rule on the float32 state
+ * [dk, dv] in place (decay, read kv = S^T k, delta = (v - kv) * beta, S += k delta^T, out = S^T q); then the gated
+ * RMSNorm of each head's output, times SiLU of z. As transformers' reference (torch_causal_conv1d_update,
+ * torch_recurrent_gated_delta_rule, RMSNormGated) computes it, with its roundings to the activation dtype where it
+ * rounds; its sums run in another order, so results agree to float rounding, not bit for bit (the module's test
+ * bounds it). Value heads share out among the threads. */
+
+static inline float round_to(float v, int dtype) { return dtype == F32 ? v : from_bf16(to_bf16(v)); }
+static inline float silu(float v) { return v / (1.f + expf(-v)); }
+
+struct delta_net {
+    const void *conv_w;      /* [channels, kernel] in dtype */
+    const float *neg_a;      /* [v_heads] -exp(A_log) */
+    const float *dt_bias;    /* [v_heads] */
+    const void *norm_w;      /* [dv] in dtype */
+    float eps;
+    long k_heads, v_heads, dk, dv, kernel, state_len;
+};
+
+/* qkv [2 * k_heads * dk + v_heads * dv], z [v_heads * dv], a and b [v_heads], in dtype; conv_state [channels,
+ * state_len] in dtype, updated; state [v_heads, dk, dv] float32, updated; out [v_heads * dv] in dtype;
+ * scratch: channels + 2 * v_heads floats */
+void meshnet_delta_step(const struct delta_net *L, const void *qkv, const void *z, const void *a, const void *b,
+                        void *conv_state, float *state, void *out, int dtype, float *scratch) {
+    const long kd = L->k_heads * L->dk, channels = 2 * kd + L->v_heads * L->dv, K = L->kernel, S = L->state_len;
+    float *mixed = scratch, *decay = scratch + channels, *beta = decay + L->v_heads;
+    for (long c = 0; c < channels; c++) {  /* the convolution over [state, new] (the last K of them), then SiLU */
+        float window[S + 1];
+        for (long j = 0; j < S; j++) window[j] = load(conv_state, c * S + j, dtype);
+        window[S] = load(qkv, c, dtype);
+        float acc = 0.f;
+        for (long j = 0; j < K; j++) acc += load(L->conv_w, c * K + j, dtype) * window[S + 1 - K + j];
+        for (long j = 0; j < S; j++) store(conv_state, c * S + j, window[j + 1], dtype);
+        mixed[c] = round_to(silu(round_to(acc, dtype)), dtype);
+    }
+    const float root = sqrtf((float)L->dk);
+    for (long h = 0; h < L->k_heads; h++) {  /* L2-normalised queries (then scaled) and keys */
+        for (int which = 0; which < 2; which++) {
+            float *x = mixed + which * kd + h * L->dk, sum = 0.f;
+            for (long i = 0; i < L->dk; i++) sum += x[i] * x[i];
+            const float inv = 1.f / sqrtf(sum + 1e-6f);
+            for (long i = 0; i < L->dk; i++) x[i] = which == 0 ? x[i] * inv / root : x[i] * inv;
+        }
+    }
+    for (long h = 0; h < L->v_heads; h++) {
+        const float x = load(a, h, dtype) + L->dt_bias[h];
+        const float softplus = x > 20.f ? x : log1pf(expf(x));
+        decay[h] = expf(L->neg_a[h] * softplus);
+        beta[h] = round_to(1.f / (1.f + expf(-load(b, h, dtype))), dtype);
+    }
+    const long ratio = L->v_heads / L->k_heads, dk = L->dk, dv = L->dv;
+#pragma omp parallel for schedule(static)
+    for (long h = 0; h < L->v_heads; h++) {
+        const float *q = mixed + (h / ratio) * dk, *k = mixed + kd + (h / ratio) * dk;
+        const float *v = mixed + 2 * kd + h * dv;
+        float *s = state + h * dk * dv;
+        float kv[dv], o[dv];
+        for (long j = 0; j < dv; j++) kv[j] = 0.f, o[j] = 0.f;
+        for (long i = 0; i < dk; i++)
+            for (long j = 0; j < dv; j++) {
+                s[i * dv + j] *= decay[h];
+                kv[j] += s[i * dv + j] * k[i];
+            }
+        for (long j = 0; j < dv; j++) kv[j] = (v[j] - kv[j]) * beta[h];  /* delta */
+        for (long i = 0; i < dk; i++)
+            for (long j = 0; j < dv; j++) {
+                s[i * dv + j] += k[i] * kv[j];
+                o[j] += s[i * dv + j] * q[i];
+            }
+        float sum = 0.f;  /* the gated RMSNorm of the head's output, rounded to dtype first as the reference hands it */
+        for (long j = 0; j < dv; j++) o[j] = round_to(o[j], dtype), sum += o[j] * o[j];
+        const float inv = 1.f / sqrtf(sum / (float)dv + L->eps);
+        for (long j = 0; j < dv; j++) {
+            const float normed = round_to(load(L->norm_w, j, dtype) * round_to(o[j] * inv, dtype), dtype);
+            store(out, h * dv + j, normed * silu(load(z, h * dv + j, dtype)), dtype);
+        }
+    }
+}
+
 /* ---- one decode position through a Llama-family layer (daemon/model/decode.py's NativeDecoder) ---------------
  *
  * The arithmetic of LlamaDecoderLayer for one new position of one sequence, in float32: RMSNorm, the q/k/v

@@ -77,6 +77,9 @@ class Library:
         self.llama_layer = lib.meshnet_llama_layer
         self.llama_layer.argtypes = [ctypes.POINTER(Layer), _P, _P, _P, _P, _P, _L, _L, _L, _P]
         self.llama_layer.restype = None
+        self.delta_step = lib.meshnet_delta_step
+        self.delta_step.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _P]
+        self.delta_step.restype = None
         self.q8_floats = lib.meshnet_q8_floats
         self.q8_floats.argtypes = [_L]
         self.q8_floats.restype = _L
@@ -180,9 +183,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """``F.linear(x, weight, bias)`` by ``gemv.c`` (the caller has checked :func:`supports` and :func:`library`)."""
     lib = library()
     x, bias, y, rows = _rows_by(x, weight, bias)
-    scratch = _scratch(rows * weight.shape[1]) if x.dtype != torch.float32 else None  # bfloat16 rows as float32
+    work = scratch(rows * weight.shape[1]) if x.dtype != torch.float32 else None  # bfloat16 rows as float32
     lib.gemv(weight.data_ptr(), x.data_ptr(), _pointer(bias), y.data_ptr(), rows, *weight.shape, _DTYPES[x.dtype],
-             scratch)
+             work)
     return y
 
 
@@ -197,9 +200,9 @@ def gemv_pairs(x: torch.Tensor, stack: torch.Tensor, which: torch.Tensor) -> tor
         raise ValueError(f"gemv_pairs takes up to {MAX_ROWS} rows, one int64 index each, by a contiguous stack")
     which = which.contiguous()
     y = torch.empty(pairs, stack.shape[1], dtype=x.dtype)
-    scratch = _scratch(pairs * stack.shape[2]) if x.dtype != torch.float32 else None
+    work = scratch(pairs * stack.shape[2]) if x.dtype != torch.float32 else None
     lib.gemv_pairs(stack.data_ptr(), stack.shape[1] * stack.shape[2], which.data_ptr(), pairs, x.data_ptr(),
-                   y.data_ptr(), stack.shape[1], stack.shape[2], _DTYPES[x.dtype], scratch)
+                   y.data_ptr(), stack.shape[1], stack.shape[2], _DTYPES[x.dtype], work)
     return y
 
 
@@ -214,9 +217,9 @@ def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: 
             or not weight.is_contiguous() or not scale.is_contiguous() or x.numel() > MAX_ROWS * weight.shape[1]):
         raise ValueError("gemv_int8 takes float32 or bfloat16 rows by a contiguous int8 matrix with bfloat16 scales")
     x, bias, y, rows = _rows_by(x, weight, bias)
-    scratch = _scratch(rows * lib.q8_floats(weight.shape[1]))  # each row quantized
+    work = scratch(rows * lib.q8_floats(weight.shape[1]))  # each row quantized
     lib.gemv_int8(weight.data_ptr(), scale.data_ptr(), x.data_ptr(), _pointer(bias), y.data_ptr(), rows,
-                  *weight.shape, _DTYPES[x.dtype], scratch)
+                  *weight.shape, _DTYPES[x.dtype], work)
     return y
 
 
@@ -237,7 +240,8 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 _scratch_buffers = threading.local()  # per thread: a float32 copy of bfloat16 inputs, grown as needed
 
 
-def _scratch(count: int) -> int:
+def scratch(count: int) -> int:
+    """The address of this thread's float32 scratch of at least ``count`` floats, for one native call at a time."""
     buffer = getattr(_scratch_buffers, "buffer", None)
     if buffer is None or buffer.numel() < count:
         buffer = _scratch_buffers.buffer = torch.empty(max(count, 1 << 14), dtype=torch.float32)

@@ -191,6 +191,7 @@ class ModelShard(DecoderLayers):
         A no-op off the CPU. Returns the linear weights' plans by weight shape."""
         from daemon.model.experts import plan_experts
         from daemon.model.kernels import describe, plan_linears
+        from daemon.model.linear_attention import use_native_delta_steps
 
         if self.device.type != "cpu":
             return {}
@@ -203,6 +204,7 @@ class ModelShard(DecoderLayers):
             progress("expert " + describe(expert_plans))
         self.native_steps = True  # where the layers and the library allow (daemon.model.decode.NativeSteps)
         self.forget_fast_decoder()
+        use_native_delta_steps(self.model)  # linear-attention layers' one-position steps, in one call each
         return plans
 
     # ---- steps -------------------------------------------------------------------------------
