@@ -107,9 +107,13 @@ def build(shape: Shape, folder: Path, tokenizer_from: Path) -> dict:
     return record
 
 
-def measure(shape: Shape, record: dict, folder: Path, bandwidth: float, tokens: int, threads: int | None) -> dict:
-    """One ``meshd`` with every layer of ``folder`` in bfloat16: its decode steps against the floor (the active
-    bytes at ``bandwidth``), and its peak resident set against its weights."""
+def measure(shape: Shape, record: dict, folder: Path, tokens: int, threads: int | None,
+            bandwidth_threads: int) -> dict:
+    """One ``meshd`` with every layer of ``folder`` in bfloat16: its decode steps against the floor, and its peak
+    resident set against its weights. The floor is the active bytes at the faster of two readings of the
+    machine's bandwidth (on ``bandwidth_threads``), one straight before the node starts and one straight after it
+    stops: a shared host's bandwidth moves by as much as 2x from one minute to the next."""
+    before = read_bandwidth(bandwidth_threads)
     mesh = Mesh(f"real size, {shape.name}", [(f"0-{shape.config['num_hidden_layers'] - 1}", [])], str(folder),
                 threads, node_args=["--dtype", "bfloat16"])
     try:
@@ -118,10 +122,13 @@ def measure(shape: Shape, record: dict, folder: Path, bandwidth: float, tokens: 
         node = mesh.memory()[0]
     finally:
         mesh.stop()
+    after = read_bandwidth(bandwidth_threads)
+    bandwidth = max(before, after)
     step = statistics.median(result["step_ms"])
     floor_ms = record["active_bytes"] / bandwidth * 1000.0
     return {"shape": shape.name, "about": shape.about, "weights_bytes": record["weights_bytes"],
-            "active_bytes": record["active_bytes"], "bandwidth_bytes_per_s": bandwidth, "floor_ms": floor_ms,
+            "active_bytes": record["active_bytes"], "bandwidth_bytes_per_s": bandwidth,
+            "bandwidth_readings": [before, after], "floor_ms": floor_ms,
             "step_ms_median": step, "step_ms_best": min(result["step_ms"]), "of_floor": floor_ms / step,
             "decode_tps": result["decode_tps"], "peak_rss_bytes": node["peak_rss_bytes"],
             "node_weights_bytes": node["weights_bytes"],

@@ -317,15 +317,14 @@ def _measure_real_size(args, cores: int) -> list[dict]:
     from daemon.model.source import cache_dir, fetch_default_model
 
     tokenizer_from = fetch_default_model(progress=say)  # every shape speaks the built-in model's vocabulary
-    say(f"measuring this machine's read bandwidth on {cores} thread(s)")
-    bandwidth = real_size.read_bandwidth(cores)
-    say(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s")
     rows = []
     for name in args.shapes:
         shape = real_size.SHAPES[name]
         folder = cache_dir() / "bench" / "shapes" / name
         record = real_size.build(shape, folder, tokenizer_from)
-        rows.append(real_size.measure(shape, record, folder, bandwidth, args.shape_tokens, args.threads))
+        say(f"{name}: the machine's read bandwidth on {cores} thread(s) before and after one node's decode steps")
+        rows.append(real_size.measure(shape, record, folder, args.shape_tokens, args.threads, cores))
+        say("read bandwidth: " + ", ".join(f"{b / 1e9:.1f}" for b in rows[-1]["bandwidth_readings"]) + " GB/s")
     return rows
 
 
