@@ -24,8 +24,9 @@ holds every output to be bitwise the layers' own.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,63 @@ def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
+# One query's attention over bfloat16 or float16 keys and values: PyTorch 2.13's CPU SDPA for these dtypes takes
+# 10x its float32 time (Llama-8B-shaped heads, 150 positions, 2 threads: 576 against 95 us with the conversions;
+# 1000 positions: 3.7 against 0.67 ms). Computed in float32 instead, the probabilities are not rounded to the
+# activation dtype before they weigh the values, as that kernel rounds them: the output moves by about the
+# dtype's rounding (measured up to 2e-3 of its scale), as another kernel's products do, so a node does it only
+# where it plans its kernels (``--tune-kernels on``; tests/unit/test_decode.py bounds it).
+REDUCED_DTYPES = (torch.bfloat16, torch.float16)
+DECODE_ATTENTION = "meshnet_decode_sdpa"  # the attention implementation's name in transformers' registry
+# what transformers' SDPA call may be handed for a plain one-query attention: nothing that changes the arithmetic
+_PLAIN_KWARGS = frozenset({"dropout", "scaling", "position_ids", "cache", "use_cache", "cache_position",
+                           "sliding_window", "is_causal"})
+
+
+def attend_in_float32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
+                      enable_gqa: bool = False) -> torch.Tensor:
+    """``scaled_dot_product_attention(q, k, v)`` without a mask, computed in float32, in ``q``'s dtype."""
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale,
+                                          enable_gqa=enable_gqa).to(q.dtype)
+
+
+def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, with a one-position step's unmasked attention over bfloat16 or float16 on the
+    CPU computed in float32 (:func:`attend_in_float32`); anything else as SDPA computes it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (query.shape[2] != 1 or attention_mask is not None or query.dtype not in REDUCED_DTYPES
+            or query.device.type != "cpu" or key.shape[-1] != value.shape[-1] or key.shape[-1] > 256
+            or not set(kwargs) <= _PLAIN_KWARGS or kwargs.get("dropout", 0.0)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = attend_in_float32(query, key, value, kwargs.get("scaling"), enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def float_attention(configs: Sequence) -> Iterator[None]:
+    """Layers reading ``configs`` that run SDPA take :func:`decode_attention_forward` for the ``with`` block (the
+    node runs one forward at a time on its torch thread: no other step sees the switch)."""
+    switched = [config for config in configs if config._attn_implementation == "sdpa"]
+    try:
+        for config in switched:
+            config._attn_implementation = DECODE_ATTENTION
+        yield
+    finally:
+        for config in switched:
+            config._attn_implementation = "sdpa"
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention_forward)
+
+
+_register()
+
+
 class FastDecoder:
     """One-position steps through layers ``[start, end)`` of ``layers`` where every one of them can take it.
 
@@ -116,6 +174,7 @@ class FastDecoder:
     def __init__(self, layers: Sequence[nn.Module], config, layer_types: Sequence[str], start: int, end: int, *,
                  native_steps: bool = False) -> None:
         self.start, self.end = start, end
+        self.float_attention = native_steps  # a bfloat16 or float16 query attends in float32 (attend_in_float32)
         self._bound: dict[int, _Layer] = {}  # every hosted layer, or none: a step runs all of them or none here
         self._native: NativeSteps | None = None
         if getattr(config, "_attn_implementation", None) != "sdpa":
@@ -173,8 +232,11 @@ class FastDecoder:
             k = qk[:, :, p.heads:].transpose(1, 2)
             if cache_layers is not None:
                 k, v = cache_layers[i].update(k, v)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, scale=p.scaling,
-                                                 is_causal=False, **p.gqa)
+            if self.float_attention and q.dtype in REDUCED_DTYPES:
+                out = attend_in_float32(q, k, v, p.scaling, **p.gqa)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, scale=p.scaling,
+                                                     is_causal=False, **p.gqa)
             out = out.transpose(1, 2).reshape(1, 1, -1)
             hidden = residual + p.o(out)
             residual = hidden

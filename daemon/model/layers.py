@@ -15,6 +15,7 @@ not host stay empty. So each mask is built against the first hosted layer of its
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Sequence
 
@@ -27,7 +28,7 @@ from daemon.model.batching import (
     batched_attention,
     head_rows,
 )
-from daemon.model.decode import MAX_ROWS, FastDecoder
+from daemon.model.decode import MAX_ROWS, REDUCED_DTYPES, FastDecoder, float_attention
 
 # Which mask each attention type gets, as the models' own forwards build them.
 MASK_BUILDERS = {
@@ -94,15 +95,19 @@ class DecoderLayers:
         cache_kwargs = {"cache": cache, "use_cache": True} if cache is not None else {}
         # Gemma 4 layers hand their keys and values to later layers through this dict, fresh for every call
         shared_kv = {"shared_kv_states": {}} if self._layers_share_kv else {}
-        for i in hosted:
-            hidden = layers[i](  # [1, T, hidden] in, [1, T, hidden] out
-                hidden,
-                attention_mask=masks[types[i]],
-                position_ids=position_ids,
-                position_embeddings=position_embeddings[types[i]],
-                **cache_kwargs,
-                **shared_kv,
-            )
+        # a planned node's one-position bfloat16 steps attend in float32 (decode.attend_in_float32)
+        attention = (float_attention(self._attention_configs) if q_len == 1 and self.native_steps
+                     and hidden.dtype in REDUCED_DTYPES and hidden.device.type == "cpu" else contextlib.nullcontext())
+        with attention:
+            for i in hosted:
+                hidden = layers[i](  # [1, T, hidden] in, [1, T, hidden] out
+                    hidden,
+                    attention_mask=masks[types[i]],
+                    position_ids=position_ids,
+                    position_embeddings=position_embeddings[types[i]],
+                    **cache_kwargs,
+                    **shared_kv,
+                )
         return hidden
 
     @torch.inference_mode()

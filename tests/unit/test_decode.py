@@ -175,3 +175,44 @@ def test_native_steps_are_taken_only_where_they_apply(tiny_model, monkeypatch):
     assert planned.fast_decoder()._native.run(x, (torch.ones(1, 1, 16), torch.zeros(1, 1, 16)), cache.layers,
                                               0, 4) is None
     assert all(layer.get_seq_length() == 0 for layer in cache.layers[:4])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
+def test_planned_bfloat16_steps_attend_in_float32_within_rounding(tiny_model, monkeypatch, arch):
+    """Where a node plans its kernels, a one-position bfloat16 step's attention runs in float32 (through the fast
+    path, or as the attention implementation of the layers' own forward): every output within bfloat16 rounding of
+    SDPA's own, and the layers read "sdpa" again after the step."""
+    shard = ModelShard(tiny_model(arch), 0, 4, sessions=SessionCacheStore(), dtype=torch.bfloat16)
+    want, _ = _decode(shard, 0, fast=True, monkeypatch=monkeypatch)
+    taken = []
+    real = decode.attend_in_float32
+    monkeypatch.setattr(decode, "attend_in_float32", lambda *args, **kwargs: taken.append(1) or real(*args, **kwargs))
+    shard.native_steps = True
+    shard.forget_fast_decoder()
+    got, _ = _decode(shard, 0, fast=True, monkeypatch=monkeypatch)
+    # the sliding-window layers' steps come with a mask once the window cuts (9 prompt tokens, a window of 4): SDPA
+    assert len(taken) == STEPS * sum(t == "full_attention" for t in shard.layer_types[:4])
+    assert all(c._attn_implementation == "sdpa" for c in shard._attention_configs)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        assert (g.float() - w.float()).abs().max() <= 0.02 * w.float().abs().max()
+
+
+def test_other_steps_attend_as_sdpa_does():
+    """A float32 query, a prompt, or a mask: transformers' SDPA itself, bit for bit."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    generator = torch.Generator().manual_seed(4)
+    for dtype, positions, mask in ((torch.float32, 1, None), (torch.bfloat16, 3, None),
+                                   (torch.bfloat16, 1, torch.ones(1, 1, 1, 6, dtype=torch.bool))):
+        q = torch.randn(1, 4, positions, 16, generator=generator).to(dtype)
+        k, v = (torch.randn(1, 2, 6, 16, generator=generator).to(dtype) for _ in range(2))
+        want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+        got, _ = decode.decode_attention_forward(module, q, k, v, mask, scaling=0.25)
+        assert torch.equal(got, want)
+    q = torch.randn(1, 4, 1, 16, generator=generator).to(torch.bfloat16)
+    got, _ = decode.decode_attention_forward(module, q, k, v, None, scaling=0.25)
+    want, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.25)
+    assert got.shape == want.shape and (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
