@@ -364,6 +364,54 @@ void meshnet_gemv_int8(const int8_t *w, const uint16_t *scale, const void *x, co
     rows_by(W_INT8, w, scale, x, bias, y, rows, out, in, dtype, scratch);
 }
 
+/* ---- one query's attention over bfloat16 keys and values (daemon/model/decode.py's attend_in_float32) --------
+ *
+ * What scaled_dot_product_attention computes in float32 for one query position of `heads` heads over `positions`
+ * keys and values of `kv_heads` heads (each serving heads / kv_heads query heads), all bfloat16: scores
+ * scale * q.k summed in float32 from exact bfloat16 products, a softmax in float32, the values weighed in float32,
+ * the output rounded to bfloat16. Reads every key and value once, in the cache's own layout (rows of `dim`
+ * values, `head_stride` and `row_stride` elements apart), where converting them to float32 first wrote twice
+ * their bytes every step. Key/value heads share out among the threads; `scratch` holds heads * positions floats. */
+void meshnet_attend_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out, long heads,
+                         long kv_heads, long positions, long dim, long head_stride, long row_stride, float scale,
+                         float *scratch) {
+    const long group = heads / kv_heads;
+#pragma omp parallel for schedule(static)
+    for (long g = 0; g < kv_heads; g++) {
+        float *scores = scratch + g * group * positions;
+        const uint16_t *keys = k + g * head_stride, *values = v + g * head_stride;
+        for (long i = 0; i < positions; i++)
+            for (long h = 0; h < group; h++) {
+                const uint16_t *query = q + (g * group + h) * dim;
+#if BF16_PAIRS
+                scores[h * positions + i] = scale * dot_bf16_pairs(keys + i * row_stride, query, dim);
+#else
+                float acc = 0.f;
+                for (long j = 0; j < dim; j++) acc += from_bf16(keys[i * row_stride + j]) * from_bf16(query[j]);
+                scores[h * positions + i] = scale * acc;
+#endif
+            }
+        float acc[group][dim], total[group];
+        for (long h = 0; h < group; h++) {
+            float *s = scores + h * positions, top = s[0];
+            for (long i = 1; i < positions; i++) top = s[i] > top ? s[i] : top;
+            total[h] = 0.f;
+            for (long i = 0; i < positions; i++) s[i] = expf(s[i] - top), total[h] += s[i];
+            for (long j = 0; j < dim; j++) acc[h][j] = 0.f;
+        }
+        for (long i = 0; i < positions; i++) {
+            float row[dim];
+            for (long j = 0; j < dim; j++) row[j] = from_bf16(values[i * row_stride + j]);
+            for (long h = 0; h < group; h++) {
+                const float p = scores[h * positions + i];
+                for (long j = 0; j < dim; j++) acc[h][j] += p * row[j];
+            }
+        }
+        for (long h = 0; h < group; h++)
+            for (long j = 0; j < dim; j++) out[(g * group + h) * dim + j] = to_bf16(acc[h][j] / total[h]);
+    }
+}
+
 /* ---- one decode position through a gated delta net (daemon/model/linear_attention.py) ---------------------
  *
  * Qwen3.5's linear-attention layer between its input and output products, for one new position of one sequence:

@@ -77,6 +77,9 @@ class Library:
         self.llama_layer = lib.meshnet_llama_layer
         self.llama_layer.argtypes = [ctypes.POINTER(Layer), _P, _P, _P, _P, _P, _L, _L, _L, _P]
         self.llama_layer.restype = None
+        self.attend_bf16 = lib.meshnet_attend_bf16
+        self.attend_bf16.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, ctypes.c_float, _P]
+        self.attend_bf16.restype = None
         self.delta_step = lib.meshnet_delta_step
         self.delta_step.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _P]
         self.delta_step.restype = None
@@ -204,6 +207,24 @@ def gemv_pairs(x: torch.Tensor, stack: torch.Tensor, which: torch.Tensor) -> tor
     lib.gemv_pairs(stack.data_ptr(), stack.shape[1] * stack.shape[2], which.data_ptr(), pairs, x.data_ptr(),
                    y.data_ptr(), stack.shape[1], stack.shape[2], _DTYPES[x.dtype], work)
     return y
+
+
+def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """One query's attention ``q [1, heads, 1, dim]`` over ``k`` and ``v [1, kv_heads, positions, dim]``, all
+    bfloat16 on the CPU, as float32 SDPA computes it (``meshnet_attend_bf16``), in bfloat16; None where the
+    tensors are not laid out for it (keys and values alike, rows contiguous) or the library is not built."""
+    lib = library()
+    if (lib is None or not q.dtype == k.dtype == v.dtype == torch.bfloat16 or q.shape[0] != 1 or k.shape[0] != 1
+            or q.shape[2] != 1 or k.stride() != v.stride() or k.stride(-1) != 1 or k.shape != v.shape
+            or q.shape[1] % k.shape[1] or q.device.type != "cpu" or k.shape[2] == 0):
+        return None
+    q = q.contiguous()
+    heads, dim = q.shape[1], q.shape[3]
+    kv_heads, positions = k.shape[1], k.shape[2]
+    out = torch.empty(1, heads, 1, dim, dtype=torch.bfloat16)
+    lib.attend_bf16(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), heads, kv_heads, positions, dim,
+                    k.stride(1), k.stride(2), scale, scratch(heads * positions))
+    return out
 
 
 def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None

@@ -165,3 +165,22 @@ def test_it_is_built_once_per_machine(rebuilt):
     built = first.path.stat().st_mtime_ns
     native.library.cache_clear()
     assert native.library().path == first.path and first.path.stat().st_mtime_ns == built
+
+
+@needs_library
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "positions"),
+                         [(4, 4, 16, 1), (32, 8, 128, 300), (16, 2, 256, 77)])
+def test_one_query_attends_as_float32_sdpa(heads, kv_heads, dim, positions):
+    """bfloat16 keys and values read where they lie (a growing cache's view, rows a capacity apart): float32 SDPA's
+    output within float rounding, rounded to bfloat16."""
+    generator = torch.Generator().manual_seed(positions)
+    q = torch.randn(1, heads, 1, dim, generator=generator).to(torch.bfloat16)
+    held = [torch.randn(1, kv_heads, positions + 10, dim, generator=generator).to(torch.bfloat16) for _ in range(2)]
+    k, v = (t[:, :, :positions] for t in held)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.3,
+                                          enable_gqa=heads != kv_heads).to(torch.bfloat16)
+    got = native.attend_bf16(q, k, v, 0.3)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+    assert native.attend_bf16(q.float(), k.float(), v.float(), 0.3) is None  # float32: SDPA's own
+    assert native.attend_bf16(q, k, v.contiguous(), 0.3) is None  # keys and values laid out alike, or not here
