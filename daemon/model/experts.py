@@ -26,6 +26,8 @@ and one Python call in place of one per expert), each output the one a call per 
 
 from __future__ import annotations
 
+import types
+
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 
@@ -112,17 +114,42 @@ def _product(x: torch.Tensor, weight: torch.Tensor, plans: tuple[Plan, Plan] | N
 
 def plan_experts(modules, *, max_rows: int, store=None) -> dict[tuple, Plan]:
     """Measure (or read from ``store``) a kernel plan per expert matrix shape of the experts among ``modules``
-    that :func:`decode_experts_forward` runs, for products of up to ``max_rows`` rows, and attach it to them.
-    Returns the plans by ``(out, in, dtype)``."""
+    that :func:`decode_experts_forward` runs, and per router weight shape of the routers it knows
+    (:data:`ROUTER_CLASSES`), for products of up to ``max_rows`` rows, and attach it to them. Returns the plans by
+    ``(out, in, dtype)``."""
     experts = [m for m in modules if _known_layout(m) and getattr(m.config, "_experts_implementation", None) == NAME
                and m.gate_up_proj.device.type == "cpu" and plannable_dtype(m.gate_up_proj.dtype)]
-    if not experts:
-        return {}
     weights: dict[tuple, list[torch.Tensor]] = {}
     for module in experts:
         for tensor in (module.gate_up_proj, module.down_proj):
             weights.setdefault(weight_shape(tensor[0]), []).extend(tensor.detach().unbind(0))
+    routers = [m for m in modules if type(m).__name__ in ROUTER_CLASSES and m.weight.device.type == "cpu"
+               and plannable_dtype(m.weight.dtype) and m.weight.is_contiguous()]
+    for module in routers:
+        weights.setdefault(weight_shape(module.weight), []).append(module.weight.detach())
     plans = measured_plans(weights, max_rows=max_rows, store=store, plain_only=True)
     for module in experts:
         module.meshnet_plans = (plans[weight_shape(module.gate_up_proj[0])], plans[weight_shape(module.down_proj[0])])
+    for module in routers:
+        module.meshnet_plan = plans[weight_shape(module.weight)]
+        if not hasattr(module, "meshnet_own_forward"):
+            module.meshnet_own_forward = module.forward
+            module.forward = types.MethodType(planned_router_forward, module)
     return plans
+
+
+# the top-k routers whose forward planned_router_forward repeats: softmax over experts in float32, the top k,
+# normalised (Qwen3-MoE and Qwen3-Next where norm_topk_prob says so, Qwen3.5-MoE always)
+ROUTER_CLASSES = frozenset({"Qwen3MoeTopKRouter", "Qwen3NextTopKRouter", "Qwen3_5MoeTopKRouter"})
+
+
+def planned_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
+    """The router's own forward with its product by the kernel its plan chose (a 256x2048 bfloat16 router took
+    0.27 ms of a Qwen3.5-MoE-shaped decode step through MKL, 0.04 ms standalone through ``gemv.c``)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = product(hidden_states, self.weight, None, self.meshnet_plan.kernel(hidden_states.shape[0]))
+    router_probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+    if getattr(self, "norm_topk_prob", True):
+        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+    return router_logits, router_top_value.to(router_logits.dtype), router_indices

@@ -123,3 +123,33 @@ def test_experts_planned_on_gemv_run_in_one_call_per_matrix(monkeypatch, dtype, 
             per_expert[pair] = native.gemv(h, module.down_proj[expert])[0]
     want = (per_expert * weights.reshape(-1).unsqueeze(-1)).view(tokens, top_k, -1).sum(dim=1).to(dtype)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_routers_take_their_planned_kernel(monkeypatch, norm):
+    """A router's product by its plan's kernel: transformers' kernel gives its own forward bit for bit, gemv.c the
+    same experts and weights within rounding."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from daemon.model import kernels
+    from daemon.model.experts import plan_experts
+
+    config = Qwen3MoeConfig(hidden_size=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=norm)
+    router = Qwen3MoeTopKRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 64, generator=torch.Generator().manual_seed(3)))
+    own = router.forward
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    kernel = {"kernel": "blas"}
+    monkeypatch.setattr(kernels, "_time", lambda weights, x, k: 1.0 if k == kernel["kernel"] else 2.0)
+    plans = plan_experts([router], max_rows=1)
+    assert set(plans) == {(16, 64, "float32")} and router.meshnet_plan.kernels == ("blas",)
+    with torch.inference_mode():
+        for got, want in zip(router(hidden), own(hidden)):
+            assert torch.equal(got, want)
+        if native.library() is not None:
+            router.meshnet_plan = kernels.Plan(False, ("gemv",))
+            got, want = router(hidden), own(hidden)
+            assert torch.equal(got[2], want[2])  # the same experts
+            for g, w in zip(got[:2], want[:2]):
+                assert (g - w).abs().max() <= 1e-5 * w.abs().max()
