@@ -17,6 +17,10 @@ and bfloat16 nodes keep ``generate``'s tokens bit for bit:
   layer's scale, and ``enable_gqa`` where key/value heads are shared.
 - The MLP as ``LlamaMLP``: ``down(act(gate(x)) * up(x))``.
 
+Where a node plans its kernels, a bfloat16 query attends in float32 instead (:func:`attend_in_float32`, in this
+path and, through :func:`float_attention`, in any layer's own forward), within bfloat16 rounding of SDPA's
+output (ADR-0045).
+
 Only layers it knows run this way (:data:`LAYER_CLASSES`, full attention, SDPA, a cache layer that grows in
 place or none); any other step, layer or mask falls back to the layers' own forward. ``tests/unit/test_decode.py``
 holds every output to be bitwise the layers' own.
