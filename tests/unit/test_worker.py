@@ -88,6 +88,7 @@ IDLE_CPU = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # about 4 s of CPU-time measurement
 @needs_library
 def test_a_parked_team_does_not_spin_on_the_cores():
     """Idle for half a second after a step: spinning workers burn about that much CPU time, a parked team none."""
