@@ -95,10 +95,7 @@ class DecoderLayers:
         cache_kwargs = {"cache": cache, "use_cache": True} if cache is not None else {}
         # Gemma 4 layers hand their keys and values to later layers through this dict, fresh for every call
         shared_kv = {"shared_kv_states": {}} if self._layers_share_kv else {}
-        # a planned node's one-position bfloat16 steps attend in float32 (decode.attend_in_float32)
-        attention = (float_attention(self._attention_configs) if q_len == 1 and self.native_steps
-                     and hidden.dtype in REDUCED_DTYPES and hidden.device.type == "cpu" else contextlib.nullcontext())
-        with attention:
+        with self._one_position_attention(hidden) if q_len == 1 else contextlib.nullcontext():
             for i in hosted:
                 hidden = layers[i](  # [1, T, hidden] in, [1, T, hidden] out
                     hidden,
@@ -163,6 +160,13 @@ class DecoderLayers:
                 )
         return masks
 
+    def _one_position_attention(self, hidden: torch.Tensor):
+        """The attention one-position steps run, for a ``with`` block: a planned node's bfloat16 queries attend in
+        float32 (:func:`daemon.model.decode.float_attention`); else the layers' own."""
+        if self.native_steps and hidden.dtype in REDUCED_DTYPES and hidden.device.type == "cpu":
+            return float_attention(self._attention_configs)
+        return contextlib.nullcontext()
+
     def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, layer_types: set[str]) -> dict:
         """Rotary embeddings (cos, sin) once per call, per layer type where the model has one per type (Gemma 3)."""
         rotary = self.model.model.rotary_emb
@@ -186,7 +190,8 @@ class DecoderLayers:
         batch = SessionBatch(caches)
         layers = self._layers
         shared_kv = {"shared_kv_states": {}} if self._layers_share_kv else {}  # as in run_layers (Gemma 4)
-        with batched_attention(self._attention_configs):
+        # each row through the attention a single step of its session runs
+        with self._one_position_attention(hidden), batched_attention(self._attention_configs):
             for i in hosted:
                 recurrent = types[i] in RECURRENT_LAYER_TYPES  # B sequences of one position: [B, 1, hidden]
                 out = layers[i](hidden.transpose(0, 1) if recurrent else hidden, attention_mask=None,

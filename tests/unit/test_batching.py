@@ -390,3 +390,22 @@ def test_a_long_prompt_runs_in_chunks_with_a_decode_step_between_and_ends_as_one
     assert shard.sessions.checkout("long", past_len=60, start_layer=0).past_len == 60
     assert decode_reply.token_id is not None
     assert service.queue.batches >= 5  # four chunks and the decode step
+
+
+def test_a_planned_bfloat16_batch_attends_as_its_sessions_single_steps(tiny_model, monkeypatch):
+    """Where single bfloat16 steps attend in float32 (a planned node), each row of a batch does too."""
+    from daemon.model import decode
+
+    shard = ModelShard(tiny_model("llama"), 0, 4, kv_cache=True, sessions=store(), dtype=torch.bfloat16)
+    shard.native_steps = True
+    shard.forget_fast_decoder()
+    rows = []
+    real = decode.attend_in_float32
+    monkeypatch.setattr(decode, "attend_in_float32", lambda q, *a, **k: rows.append(q.shape[2]) or real(q, *a, **k))
+    together, batched_logits = run_together(shard, PROMPTS, 4)
+    assert rows and set(rows) == {1}  # one query at a time, in the batch
+    for i, prompt in enumerate(PROMPTS):
+        alone, logits = run_alone(shard, prompt, 4, f"alone{i}")
+        for step, single in enumerate(logits):
+            scale = single.float().abs().max().item()
+            assert (batched_logits[step][i].float() - single.float()).abs().max().item() <= 0.05 * scale
