@@ -108,29 +108,38 @@ def build(shape: Shape, folder: Path, tokenizer_from: Path) -> dict:
 
 
 def measure(shape: Shape, record: dict, folder: Path, tokens: int, threads: int | None,
-            bandwidth_threads: int) -> dict:
+            bandwidth_threads: int, rounds: int = 3) -> dict:
     """One ``meshd`` with every layer of ``folder`` in bfloat16: its decode steps against the floor, and its peak
-    resident set against its weights. The floor is the active bytes at the faster of two readings of the
-    machine's bandwidth (on ``bandwidth_threads``), one straight before the node starts and one straight after it
-    stops: a shared host's bandwidth moves by as much as 2x from one minute to the next."""
-    before = read_bandwidth(bandwidth_threads)
+    resident set against its weights.
+
+    A shared host's read rate moves by as much as 2x from one minute to the next, so the step and the floor are
+    measured side by side: ``rounds`` times, the machine's bandwidth (on ``bandwidth_threads``, the node idle), a
+    generation of ``tokens``, the bandwidth again. Each round's floor is the active bytes at the faster of its two
+    readings; the row's ratio is the median of the rounds' ratios (floor over the round's median step)."""
     mesh = Mesh(f"real size, {shape.name}", [(f"0-{shape.config['num_hidden_layers'] - 1}", [])], str(folder),
                 threads, node_args=["--dtype", "bfloat16"])
+    steps: list[float] = []
+    readings: list[list[float]] = []
+    ratios: list[float] = []
     try:
         mesh.generate(4)  # warm-up
-        result = mesh.measure(tokens)
+        for _ in range(rounds):
+            before = read_bandwidth(bandwidth_threads)
+            result = mesh.measure(tokens)
+            after = read_bandwidth(bandwidth_threads)
+            readings.append([before, after])
+            steps.extend(result["step_ms"])
+            ratios.append(record["active_bytes"] / max(before, after) * 1000.0 / statistics.median(result["step_ms"]))
         node = mesh.memory()[0]
     finally:
         mesh.stop()
-    after = read_bandwidth(bandwidth_threads)
-    bandwidth = max(before, after)
-    step = statistics.median(result["step_ms"])
-    floor_ms = record["active_bytes"] / bandwidth * 1000.0
+    middle = sorted(range(rounds), key=lambda r: ratios[r])[rounds // 2]  # the round whose ratio is the median
+    bandwidth = max(readings[middle])
     return {"shape": shape.name, "about": shape.about, "weights_bytes": record["weights_bytes"],
             "active_bytes": record["active_bytes"], "bandwidth_bytes_per_s": bandwidth,
-            "bandwidth_readings": [before, after], "floor_ms": floor_ms,
-            "step_ms_median": step, "step_ms_best": min(result["step_ms"]), "of_floor": floor_ms / step,
-            "decode_tps": result["decode_tps"], "peak_rss_bytes": node["peak_rss_bytes"],
+            "bandwidth_readings": readings, "floor_ms": record["active_bytes"] / bandwidth * 1000.0,
+            "step_ms_median": statistics.median(steps), "step_ms_best": min(steps), "of_floor": ratios[middle],
+            "of_floor_rounds": ratios, "decode_tps": result["decode_tps"], "peak_rss_bytes": node["peak_rss_bytes"],
             "node_weights_bytes": node["weights_bytes"],
             "peak_over_weights": (node["peak_rss_bytes"] / node["weights_bytes"]
                                   if node["peak_rss_bytes"] and node["weights_bytes"] else None),

@@ -224,7 +224,8 @@ def _print_shapes(shapes: Sequence[dict]) -> None:
         return
     print()
     print("real layer sizes, random weights, one meshd in bfloat16: its decode step against the read-bandwidth "
-          "floor (the active weights' bytes at the faster of the machine's read rates just before and after)")
+          "floor (the active weights' bytes at the faster of the machine's read rates just before and after each of "
+          "3 runs; the median round's ratio, rate and floor)")
     print(f"{'shape':<12} {'weights MiB':>11} {'active MiB':>10} {'GB/s':>5} {'floor ms':>8} {'step ms':>7} "
           f"{'best ms':>7} {'of floor':>8} {'peak MiB':>8} {'peak/weights':>12} {'load':>5}  what")
     for s in shapes:

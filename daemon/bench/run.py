@@ -322,9 +322,11 @@ def _measure_real_size(args, cores: int) -> list[dict]:
         shape = real_size.SHAPES[name]
         folder = cache_dir() / "bench" / "shapes" / name
         record = real_size.build(shape, folder, tokenizer_from)
-        say(f"{name}: the machine's read bandwidth on {cores} thread(s) before and after one node's decode steps")
+        say(f"{name}: the machine's read bandwidth on {cores} thread(s) around each of 3 runs of decode steps")
         rows.append(real_size.measure(shape, record, folder, args.shape_tokens, args.threads, cores))
-        say("read bandwidth: " + ", ".join(f"{b / 1e9:.1f}" for b in rows[-1]["bandwidth_readings"]) + " GB/s")
+        say("read bandwidth: " + "; ".join(", ".join(f"{b / 1e9:.1f}" for b in pair)
+                                           for pair in rows[-1]["bandwidth_readings"]) + " GB/s; of the floor: "
+            + " ".join(f"{r:.2f}" for r in rows[-1]["of_floor_rounds"]))
     return rows
 
 

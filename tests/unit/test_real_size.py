@@ -60,3 +60,27 @@ def test_a_model_is_written_once_with_what_a_decode_step_reads(tmp_path, default
 def test_read_bandwidth_is_bytes_over_the_fastest_pass():
     rate = read_bandwidth(1, size_bytes=64 << 20, rounds=2)
     assert 1e8 < rate < 1e13  # between 0.1 GB/s and 10 TB/s: a rate, not a time
+
+
+@pytest.mark.slow
+def test_each_round_sets_its_steps_against_the_bandwidth_read_around_it(tmp_path, default_model, monkeypatch):
+    """A real node on a small model, three rounds, the machine's read rate scripted (it moves between rounds): each
+    round's ratio is its floor (the faster reading around it) over its median step, and the row's is the median
+    round's, with that round's rate and floor."""
+    from daemon.bench import real_size
+
+    shape = Shape("small", "a small Llama", {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2})
+    folder = tmp_path / "small"
+    record = build(shape, folder, default_model)
+    rates = iter([10e9, 20e9, 40e9, 30e9, 5e9, 5e9])
+    monkeypatch.setattr(real_size, "read_bandwidth", lambda threads: next(rates))
+    row = real_size.measure(shape, record, folder, tokens=8, threads=1, bandwidth_threads=1, rounds=3)
+    assert row["bandwidth_readings"] == [[10e9, 20e9], [40e9, 30e9], [5e9, 5e9]]
+    ratios = row["of_floor_rounds"]
+    assert len(ratios) == 3 and row["of_floor"] == sorted(ratios)[1]
+    middle = ratios.index(row["of_floor"])
+    assert row["bandwidth_bytes_per_s"] == (20e9, 40e9, 5e9)[middle]
+    assert row["floor_ms"] == pytest.approx(record["active_bytes"] / row["bandwidth_bytes_per_s"] * 1000.0)
+    assert row["peak_over_weights"] is not None and row["step_ms_median"] > 0
