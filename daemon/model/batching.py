@@ -163,14 +163,15 @@ def _single_step_attention(module: torch.nn.Module):
 
 
 # ``sliding_window`` changes nothing for a one-position query: the sliding cache hands back the window only
-_PLAIN_KWARGS = {"dropout", "scaling", "position_ids", "cache", "use_cache", "cache_position", "sliding_window"}
+PLAIN_KWARGS = frozenset({"dropout", "scaling", "position_ids", "cache", "use_cache", "cache_position",
+                          "sliding_window"})
 
 
 def _plain_decode(module: torch.nn.Module, held: Sequence, kwargs: dict) -> bool:
     """Whether transformers' SDPA would make one plain GQA call here: equal key and value head sizes up to 256
     (no query packing), nothing but dropout and scale among the options (no soft-capping, no position bias)."""
     keys, values = held[0]
-    return keys.shape[-1] == values.shape[-1] <= 256 and set(kwargs) <= _PLAIN_KWARGS
+    return keys.shape[-1] == values.shape[-1] <= 256 and set(kwargs) <= PLAIN_KWARGS
 
 
 def _register() -> None:

@@ -36,7 +36,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from daemon.model import native
+from daemon.model.batching import PLAIN_KWARGS
 from daemon.model.kvcache import GrowingLayer
 
 MAX_ROWS = 16  # positions one native step takes (gemv.c's MAX_ROWS)
@@ -118,18 +122,16 @@ def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor
 # where it plans its kernels (``--tune-kernels on``; tests/unit/test_decode.py bounds it).
 REDUCED_DTYPES = (torch.bfloat16, torch.float16)
 DECODE_ATTENTION = "meshnet_decode_sdpa"  # the attention implementation's name in transformers' registry
-# what transformers' SDPA call may be handed for a plain one-query attention: nothing that changes the arithmetic
-_PLAIN_KWARGS = frozenset({"dropout", "scaling", "position_ids", "cache", "use_cache", "cache_position",
-                           "sliding_window", "is_causal"})
+# what transformers' SDPA call may be handed for a plain one-query attention: a batched row's, and whether it is
+# causal (for one query it attends to every held position either way)
+_PLAIN_KWARGS = PLAIN_KWARGS | {"is_causal"}
 
 
 def attend_in_float32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None,
                       enable_gqa: bool = False) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v)`` without a mask, computed in float32, in ``q``'s dtype: bfloat16
     by ``gemv.c`` where it is built (reading each key and value once, where converting them wrote twice their
-    bytes: 4000 Llama-8B-shaped positions 7.2 ms a layer that way), else by converting to float32."""
-    from daemon.model import native
-
+    bytes: 4000 Llama-8B-shaped positions 1.1 ms a layer against 3.7-7.2 that way), else by converting to float32."""
     out = native.attend_bf16(q, k, v, scale if scale is not None else q.shape[-1] ** -0.5)
     if out is not None:
         return out
@@ -141,8 +143,6 @@ def decode_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                              attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention, with a one-position step's unmasked attention over bfloat16 or float16 on the
     CPU computed in float32 (:func:`attend_in_float32`); anything else as SDPA computes it."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if (query.shape[2] != 1 or attention_mask is not None or query.dtype not in REDUCED_DTYPES
             or query.device.type != "cpu" or key.shape[-1] != value.shape[-1] or key.shape[-1] > 256
             or not set(kwargs) <= _PLAIN_KWARGS or kwargs.get("dropout", 0.0)):
@@ -166,8 +166,6 @@ def float_attention(configs: Sequence) -> Iterator[None]:
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
-
     AttentionInterface.register(DECODE_ATTENTION, decode_attention_forward)
 
 
@@ -281,8 +279,6 @@ class NativeSteps:
     def bind(cls, layers: Sequence[nn.Module], config, start: int, end: int) -> NativeSteps | None:
         """The layers ``[start, end)`` bound for native steps, or None where one of them cannot run there (another
         activation, weights of another kind or layout, bfloat16 norms) or the library is not built here."""
-        from daemon.model import native
-
         lib = native.library()
         if lib is None or getattr(config, "hidden_act", None) != "silu":
             return None
@@ -339,7 +335,6 @@ class NativeSteps:
 
 def _native_matrix(module: nn.Module, keep: list[torch.Tensor]):
     """``module``'s weight as a ``struct matrix``, or None where the native step cannot read it."""
-    from daemon.model import native
     from daemon.model.quantize import Int8WeightLinear
 
     bias = getattr(module, "bias", None)

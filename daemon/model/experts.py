@@ -61,7 +61,7 @@ def decode_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, t
         pairs_of.setdefault(expert, []).append(pair)
     weight_dtype = self.gate_up_proj.dtype
     plans = getattr(self, "meshnet_plans", None)  # (gate/up, down), set by plan_experts
-    if _all_native(self, plans, pairs_of, hidden_states):
+    if _all_native(self, plans, pairs_of):
         which = top_k_index.reshape(-1)
         x = hidden_states.to(weight_dtype).repeat_interleave(top_k, dim=0)  # pair p's row: its token's
         h = native.gemv_pairs(self._apply_gate(native.gemv_pairs(x, self.gate_up_proj, which)), self.down_proj, which)
@@ -84,12 +84,11 @@ def decode_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, t
     return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
-def _all_native(experts: torch.nn.Module, plans: tuple[Plan, Plan] | None, pairs_of: dict[int, list[int]],
-                hidden_states: torch.Tensor) -> bool:
+def _all_native(experts: torch.nn.Module, plans: tuple[Plan, Plan] | None, pairs_of: dict[int, list[int]]) -> bool:
     """Whether every product of the step is planned on ``gemv.c`` (each expert's for as many rows as its pairs): then
-    one call makes each matrix's products for all the pairs, the same outputs as one call per expert."""
-    if plans is None or native.library() is None or not native.supports(
-            hidden_states[:1].to(experts.gate_up_proj.dtype), experts.gate_up_proj[0]):
+    one call makes each matrix's products for all the pairs, the same outputs as one call per expert. (A plan
+    offers gemv.c only where it is built and takes the weights' dtype; a step's pairs are within its rows.)"""
+    if plans is None or not (experts.gate_up_proj.is_contiguous() and experts.down_proj.is_contiguous()):
         return False
     counts = {len(pairs) for pairs in pairs_of.values()}
     return all(plan.kernel(n) == "gemv" for plan in plans for n in counts)
@@ -132,9 +131,7 @@ def plan_experts(modules, *, max_rows: int, store=None) -> dict[tuple, Plan]:
         module.meshnet_plans = (plans[weight_shape(module.gate_up_proj[0])], plans[weight_shape(module.down_proj[0])])
     for module in routers:
         module.meshnet_plan = plans[weight_shape(module.weight)]
-        if not hasattr(module, "meshnet_own_forward"):
-            module.meshnet_own_forward = module.forward
-            module.forward = types.MethodType(planned_router_forward, module)
+        module.forward = types.MethodType(planned_router_forward, module)
     return plans
 
 
