@@ -80,20 +80,23 @@ class TorchThread(Executor):
         if lib is not None and lib.can_park:
             lib.unpark()
 
-    def _park_if_idle(self) -> None:
-        if not self._parking or not self._queue.empty() or not self.park_when_idle():
-            return
-        lib = native.library()
-        if lib is None or not lib.can_park:
-            return
-        epoch = lib.park_epoch()  # read before looking at the queue again: a submission after it moves it on
-        if self._queue.empty():
+    def _park_while_idle(self) -> None:
+        """Park the team until there is work. A wake-up may come late: a submission's wake can follow the thread
+        through that very work and into its next park, which it then ends with nothing queued; the team parks
+        again rather than spin until the next submission."""
+        while self._parking and self._queue.empty() and self.park_when_idle():
+            lib = native.library()
+            if lib is None or not lib.can_park:
+                return
+            epoch = lib.park_epoch()  # read before looking at the queue again: a submission after it moves it on
+            if not self._queue.empty():
+                return
             self.parks += 1
             lib.park(epoch)
 
     def _work(self) -> None:
         while True:
-            self._park_if_idle()
+            self._park_while_idle()
             item = self._queue.get()
             if item is None:
                 return

@@ -70,6 +70,30 @@ def test_an_idle_thread_parks_and_the_next_submission_wakes_it():
     assert not thread._thread.is_alive()
 
 
+@needs_library
+def test_a_late_wake_up_with_nothing_queued_parks_the_team_again():
+    """A submission's wake-up can come after the thread ran that work and parked: it must not leave the team
+    awake (spinning) until the next submission."""
+    thread = TorchThread()
+    thread.park_when_idle = lambda: True
+    try:
+        assert thread.submit(lambda: 7).result(timeout=5) == 7
+        wait_for(lambda: thread.parks >= 1)
+        parks = thread.parks
+        thread._wake()  # as a submission's wake that lost the race with the work it brought
+        wait_for(lambda: thread.parks > parks)
+    finally:
+        thread.shutdown()
+    assert not thread._thread.is_alive()
+
+
+def wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
 IDLE_CPU = textwrap.dedent("""
     import os, sys, time, torch
     from daemon.model import native
@@ -99,5 +123,6 @@ def test_a_parked_team_does_not_spin_on_the_cores():
                               env={**env, "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "infinite"})
         assert done.returncode == 0, done.stderr
         spent[mode] = float(done.stdout.split()[-1])
-    assert spent["spin"] > 0.2, spent  # the check can fail: spinning workers are seen
-    assert spent["park"] < 0.05, spent
+    # a spinning worker burns up to the whole half second (less where other processes hold the cores)
+    assert spent["spin"] > 0.05, spent  # the check can fail: spinning workers are seen
+    assert spent["park"] < spent["spin"] / 10, spent
