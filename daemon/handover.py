@@ -30,7 +30,10 @@ from daemon.model.service import ShardService
 
 log = logging.getLogger(__name__)
 
-SETTLE_SECONDS = 2.0  # the most a drain waits for the steps under way before it sends their sessions
+# the most a drain waits for the steps under way before it sends their sessions: they end on their own, in one
+# step's time, which a busy host stretches to seconds (a session sent before its step ends would miss that step);
+# the bound only guards against a request that never ends
+SETTLE_SECONDS = 30.0
 TRANSFER_TIMEOUT = aiohttp.ClientTimeout(total=30.0, sock_connect=2.0)
 
 
