@@ -1,5 +1,6 @@
-"""Churn as it comes: 16 nodes (4 layer ranges x 4 replicas) serving 8 streams of 200 tokens while nodes die and
-come back, then while every worker is restarted in turn.
+"""Churn as it comes: 16 nodes (4 layer ranges x 4 replicas) serving 8 streams while nodes die and come back (120
+tokens each), then while every worker is restarted in turn (200 tokens each: the streams outlast four rounds of
+restarts).
 
 The workers know only the head (they join by announcing). Every answer must be ``generate``'s; through the
 rolling restart, where every draining node hands its sessions to a replica, no answer may re-prefill for it.
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.slow  # minutes of 16 processes: in .ci/run, not in the
 
 RANGES = ("0-7", "8-15", "16-22", "23-29")
 REPLICAS = 4
-TOKENS = 200
+KILLED_TOKENS = 120  # a stream outlives about ten kills on this host
+RESTARTED_TOKENS = 200
 STREAMS = 8
 PROMPTS = [[{"role": "user", "content": "Describe the water cycle to a ten-year-old."}],
            [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]]
@@ -31,8 +33,8 @@ BACK_AFTER = 5.0  # a killed node is started again this long after
 NODE_OPTIONS = ["--kv-max-sessions", "64"]  # a replica may take every stream of another's at once
 
 
-def request(prompt: list[dict]) -> dict:
-    return {"messages": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+def request(prompt: list[dict], tokens: int) -> dict:
+    return {"messages": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +63,11 @@ def everyone_knows_everyone(head: Daemon, workers: list[Daemon]) -> None:
         node.wait_peers(len(workers), timeout=60)
 
 
-def run_streams(head: Daemon) -> tuple[list[threading.Thread], dict[int, dict]]:
+def run_streams(head: Daemon, tokens: int) -> tuple[list[threading.Thread], dict[int, dict]]:
     results: dict[int, dict] = {}
 
     def run(i: int) -> None:
-        results[i] = Stream(head, request(PROMPTS[i % len(PROMPTS)])).finish()
+        results[i] = Stream(head, request(PROMPTS[i % len(PROMPTS)], tokens)).finish()
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(STREAMS)]
     for thread in threads:
@@ -73,11 +75,11 @@ def run_streams(head: Daemon) -> tuple[list[threading.Thread], dict[int, dict]]:
     return threads, results
 
 
-def check_answers(results: dict[int, dict], reference_tokens) -> None:
+def check_answers(results: dict[int, dict], reference_tokens, tokens: int) -> None:
     assert sorted(results) == list(range(STREAMS))
     for i, stats in results.items():
         assert "error" not in stats, f"stream {i}: {stats}"
-        assert stats["token_ids"] == reference_tokens(PROMPTS[i % len(PROMPTS)], TOKENS, ignore_eos=True), \
+        assert stats["token_ids"] == reference_tokens(PROMPTS[i % len(PROMPTS)], tokens, ignore_eos=True), \
             f"stream {i}"
 
 
@@ -98,12 +100,12 @@ def answers(daemon: Daemon) -> bool:
 def test_eight_streams_come_through_a_node_killed_every_four_seconds(mesh, reference_tokens):
     head, workers = mesh
     for prompt in PROMPTS:  # before the streams: generate would otherwise take the cores from the mesh
-        reference_tokens(prompt, TOKENS, ignore_eos=True)
+        reference_tokens(prompt, KILLED_TOKENS, ignore_eos=True)
     rng = random.Random(28)
     killed: dict[Daemon, float] = {}  # killed, when
     starting: set[Daemon] = set()  # started again, not yet serving
     kills = 0
-    threads, results = run_streams(head)
+    threads, results = run_streams(head, KILLED_TOKENS)
     next_kill = time.monotonic() + KILL_EVERY
     try:
         while any(t.is_alive() for t in threads):
@@ -134,14 +136,14 @@ def test_eight_streams_come_through_a_node_killed_every_four_seconds(mesh, refer
         for node in [*killed, *starting]:
             node.wait_ready()
     assert kills >= 3, f"the streams ended after {kills} kills"
-    check_answers(results, reference_tokens)
+    check_answers(results, reference_tokens, KILLED_TOKENS)
     print(summary(f"{kills} kills", results))  # shown with -rP
 
 
 def test_a_rolling_restart_of_every_worker_moves_every_stream_without_a_re_prefill(mesh, reference_tokens):
     head, workers = mesh
     everyone_knows_everyone(head, workers)
-    threads, results = run_streams(head)
+    threads, results = run_streams(head, RESTARTED_TOKENS)
     time.sleep(1.0)
     rounds = [[w for w in workers if w.layers == layers] for layers in RANGES]
     restarted = 0
@@ -159,7 +161,7 @@ def test_a_rolling_restart_of_every_worker_moves_every_stream_without_a_re_prefi
     for thread in threads:
         thread.join()
     assert restarted == len(workers)
-    check_answers(results, reference_tokens)
+    check_answers(results, reference_tokens, RESTARTED_TOKENS)
     for i, stats in results.items():
         # a reroute (the router moving to a far faster route: on a slow host a node just restarted is idle, the
         # others busy) re-prefills by design; the restarts themselves must re-prefill nothing
