@@ -27,6 +27,7 @@ from daemon.api.launch import (
     node_url,
     stop_all,
 )
+from tests.support.watch import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD_ENV = os.environ | {"PYTHONPATH": str(REPO)}
@@ -35,13 +36,6 @@ CHILD_ENV = os.environ | {"PYTHONPATH": str(REPO)}
 def child(*args: str, env: dict[str, str] = CHILD_ENV, **kwargs) -> MeshdProcess:
     """This file as a child process in mode ``args``."""
     return MeshdProcess(list(args), module="tests.mesh.test_launch", label="test child", env=env, **kwargs)
-
-
-def wait_for(check, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def alive(pid: int) -> bool:

@@ -1,9 +1,11 @@
-"""A thread that polls every node of a mesh while a test runs, for tests that check a node stays well under load."""
+"""Polling while a test runs: a thread that polls every node of a mesh (for tests that check a node stays well under
+load), and :func:`wait_for`, which waits for a condition."""
 
 from __future__ import annotations
 
 import http.client
 import threading
+import time
 from collections.abc import Callable
 
 from tests.support.http_client import bearer, send
@@ -47,3 +49,11 @@ class NodeWatch:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def wait_for(check: Callable[[], object], timeout: float = 20.0, interval: float = 0.05) -> None:
+    """Poll ``check`` every ``interval`` seconds until it is true; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(interval)

@@ -17,6 +17,7 @@ import pytest
 
 from daemon.model import native
 from daemon.model.worker import TorchThread
+from tests.support.watch import wait_for
 
 needs_library = pytest.mark.skipif(native.library() is None or not native.library().can_park,
                                    reason="no C compiler (or no futex) here: nothing parks")
@@ -61,10 +62,7 @@ def test_an_idle_thread_parks_and_the_next_submission_wakes_it():
         for i in range(50):  # each submission lands on a parked thread, or one about to park
             assert thread.submit(lambda n=i: n * 2).result(timeout=5) == i * 2
             time.sleep(0.001 * (i % 3))
-        deadline = time.monotonic() + 5
-        while thread.parks == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert thread.parks >= 1
+        wait_for(lambda: thread.parks >= 1, timeout=5, interval=0.01)
     finally:
         thread.shutdown()  # wakes a parked thread to end it
     assert not thread._thread.is_alive()
@@ -78,20 +76,13 @@ def test_a_late_wake_up_with_nothing_queued_parks_the_team_again():
     thread.park_when_idle = lambda: True
     try:
         assert thread.submit(lambda: 7).result(timeout=5) == 7
-        wait_for(lambda: thread.parks >= 1)
+        wait_for(lambda: thread.parks >= 1, timeout=5, interval=0.005)
         parks = thread.parks
         thread._wake()  # as a submission's wake that lost the race with the work it brought
-        wait_for(lambda: thread.parks > parks)
+        wait_for(lambda: thread.parks > parks, timeout=5, interval=0.005)
     finally:
         thread.shutdown()
     assert not thread._thread.is_alive()
-
-
-def wait_for(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 IDLE_CPU = textwrap.dedent("""
