@@ -22,7 +22,9 @@ MKL's four-row products there took 1.5-1.6x oneDNN's. So a node times both layou
 kernels per weight shape, on a sample of its own weights large enough to stream from memory, at
 one row and at the batch sizes it runs (:data:`ROWS`), keeps the layout whose best times add up
 least, and runs each product with the kernel measured fastest for its row count
-(:class:`PlannedLinear`). Longer products (prompts) run ``F.linear`` in either layout.
+(:class:`PlannedLinear`). Longer products (prompts) run ``F.linear`` in either layout. Layers that take
+native one-position steps (:class:`daemon.model.decode.NativeSteps`) keep ``[out, in]``, the layout those
+steps read: a plan that laid them out anew, on a timing a busy host had skewed, would turn their steps off.
 
 What a plan changes in the arithmetic: the order in which each output's sum is accumulated, so
 logits move by float rounding (about 1e-6 of their scale in float32). Tokens on the test prompts
@@ -139,9 +141,10 @@ def plannable(module: nn.Module) -> bool:
 
 
 def plan_linears(modules: Iterable[nn.Module], *, max_rows: int, store: PlanStore | None = None,
-                 progress: Callable[[str], None] | None = None) -> dict[tuple, Plan]:
+                 progress: Callable[[str], None] | None = None, plain_only: bool = False) -> dict[tuple, Plan]:
     """Measure and apply a plan to every plannable ``nn.Linear`` in ``modules`` (in place), one plan per weight
-    shape, for products of up to ``max_rows`` rows. Returns the plans by ``(out, in, dtype)``."""
+    shape, for products of up to ``max_rows`` rows (``plain_only``: kernels for the ``[out, in]`` layout alone).
+    Returns the plans by ``(out, in, dtype)``."""
     groups: dict[tuple, list[nn.Linear]] = {}
     seen: set[int] = set()
     for module in modules:
@@ -149,7 +152,7 @@ def plan_linears(modules: Iterable[nn.Module], *, max_rows: int, store: PlanStor
             seen.add(id(module))
             groups.setdefault(weight_shape(module.weight), []).append(module)
     plans = measured_plans({shape: [m.weight.detach() for m in group] for shape, group in groups.items()},
-                           max_rows=max_rows, store=store)
+                           max_rows=max_rows, store=store, plain_only=plain_only)
     mappings = file_mappings()
     for shape, group in groups.items():
         for module in group:

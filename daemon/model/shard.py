@@ -196,14 +196,18 @@ class ModelShard(DecoderLayers):
         if self.device.type != "cpu":
             return {}
         modules = [m for i in range(self.start, self.end) for m in self._layers[i].modules()]
+        # where the layers take native steps (daemon.model.decode.NativeSteps), their one-position steps read the
+        # weights as [out, in]: a transposed layout would save a product's time and lose the whole step's
+        self.native_steps = True
+        self.forget_fast_decoder()
+        native = self.fast_decoder()._native is not None
+        self.forget_fast_decoder()  # bound again after the plans, on the weights as laid out
+        plans = plan_linears(modules, max_rows=max_rows, store=store, progress=progress, plain_only=native)
         if self.is_tail:
-            modules.append(self.model.lm_head)
-        plans = plan_linears(modules, max_rows=max_rows, store=store, progress=progress)
+            plans |= plan_linears([self.model.lm_head], max_rows=max_rows, store=store, progress=progress)
         expert_plans = plan_experts(modules, max_rows=max_rows, store=store)  # MoE experts: kernels, no new layout
         if progress is not None and expert_plans:
             progress("expert " + describe(expert_plans))
-        self.native_steps = True  # where the layers and the library allow (daemon.model.decode.NativeSteps)
-        self.forget_fast_decoder()
         use_native_delta_steps(self.model)  # linear-attention layers' one-position steps, in one call each
         return plans
 

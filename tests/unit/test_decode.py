@@ -177,6 +177,24 @@ def test_native_steps_are_taken_only_where_they_apply(tiny_model, monkeypatch):
     assert all(layer.get_seq_length() == 0 for layer in cache.layers[:4])
 
 
+@needs_native
+def test_layers_that_take_native_steps_keep_the_layout_those_steps_read(tiny_model, monkeypatch):
+    """A timing that favours the transposed layout (a busy host can skew one) lays out the LM head anew, never the
+    weights of layers that take native steps: those steps read ``[out, in]``, and would be lost."""
+    from daemon.model import kernels
+
+    monkeypatch.setattr(kernels, "_time", lambda weights, x, kernel: 1.0 if weights[0].is_contiguous() else 0.1)
+    shard = ModelShard(tiny_model("llama"), 0, 4, sessions=SessionCacheStore())
+    assert shard.is_tail
+    plans = shard.plan_kernels(max_rows=1)
+    head = shard.model.lm_head.weight
+    assert plans[kernels.weight_shape(head)].transposed and not head.is_contiguous()
+    layer_weights = [m.weight for layer in shard._layers[:4] for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    assert layer_weights and all(w.is_contiguous() for w in layer_weights)
+    assert not any(plans[kernels.weight_shape(w)].transposed for w in layer_weights)
+    assert shard.fast_decoder()._native is not None
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
 def test_planned_bfloat16_steps_attend_in_float32_within_rounding(tiny_model, monkeypatch, arch):
     """Where a node plans its kernels, a one-position bfloat16 step's attention runs in float32 (through the fast
