@@ -70,12 +70,13 @@ def test_a_product_does_not_depend_on_the_thread_count(dtype):
 @needs_library
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_output_does_not_depend_on_the_rows_computed_beside_it(dtype):
-    """Long rows go four at a time, short ones and a matrix's last few one at a time: the same sums either way."""
+    """Long rows go four at a time, short ones and a matrix's last few one at a time, and so do a tall bfloat16
+    matrix's rows (an LM head's) by bfloat16 inputs: the same sums either way."""
     torch.manual_seed(3)
-    for in_features in (100, 9000):
-        weight, x = torch.randn(7, in_features).to(dtype), torch.randn(1, in_features).to(dtype)
+    for out_features, in_features in ((7, 100), (7, 9000), (16387, 40)):
+        weight, x = torch.randn(out_features, in_features).to(dtype), torch.randn(1, in_features).to(dtype)
         together = native.gemv(x, weight)
-        alone = torch.cat([native.gemv(x, weight[r:r + 1]) for r in range(7)], dim=-1)
+        alone = torch.cat([native.gemv(x, weight[r:r + 3]) for r in range(0, out_features, 3)], dim=-1)
         assert torch.equal(together, alone)
 
 
