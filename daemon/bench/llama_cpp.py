@@ -92,20 +92,40 @@ def measure(gguf: Path, prompt_ids: Sequence[int], tokens: int, threads: int, *,
     if not installed():
         raise RuntimeError(INSTALL_HINT)
     request = {"gguf": str(gguf), "prompt_ids": list(prompt_ids), "tokens": tokens, "threads": threads}
-    done = subprocess.run([sys.executable, "-m", "daemon.bench.llama_cpp"], input=json.dumps(request),
-                          capture_output=True, text=True, timeout=timeout)
+    done = _child(request, timeout)
+    if done.returncode < 0:
+        # killed by a signal: llama.cpp 0.3.36's AMX path repacks Q8_0 weights and then segfaults in its first
+        # evaluation on a Xeon with AMX here; its weights as they are (no extra buffer types) run
+        done = _child(request | {"extra_bufts": False}, timeout)
     last = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
     if done.returncode != 0 or not last:
-        tail = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        lines = [line for line in done.stderr.strip().splitlines() if "RuntimeWarning" not in line]
+        tail = lines[-1] if lines else f"exit status {done.returncode}"
         raise RuntimeError(f"llama.cpp on {gguf.name} with {threads} thread(s) failed: {tail}")
     return json.loads(last[0])
 
 
+def _child(request: dict, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "daemon.bench.llama_cpp"], input=json.dumps(request),
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def _generate(request: dict) -> dict:
     """In the child: load the file, warm up, then one timed greedy generation."""
+    import llama_cpp.llama_cpp as bindings
     from llama_cpp import Llama, __version__
 
     prompt, tokens, threads = request["prompt_ids"], request["tokens"], request["threads"]
+    extra_bufts = request.get("extra_bufts", True)
+    if not extra_bufts:  # Llama() takes no such argument: the parameters it starts from
+        defaults = bindings.llama_model_default_params
+
+        def without_repacking():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        bindings.llama_model_default_params = without_repacking
     llm = Llama(model_path=request["gguf"], n_ctx=len(prompt) + tokens + 8, n_batch=max(len(prompt), 8),
                 n_threads=threads, n_threads_batch=threads, verbose=False)
 
@@ -127,7 +147,7 @@ def _generate(request: dict) -> dict:
     return {"prefill_ms": (times[1] - times[0]) * 1000.0,
             "decode_tps": (len(ids) - 1) / decode_s if decode_s > 0 else None,
             "step_ms": [(b - a) * 1000.0 for a, b in zip(times[1:], times[2:])],
-            "token_ids": ids, "llama_cpp_version": __version__}
+            "token_ids": ids, "llama_cpp_version": __version__, "extra_bufts": extra_bufts}
 
 
 if __name__ == "__main__":

@@ -234,7 +234,8 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
                 llama_threads[tokens] = max(runs, key=lambda threads: runs[threads]["decode_tps"] or 0.0)
             label = f"{llama_files[file_kind].stem.rsplit('.', 1)[-1]} as shipped" if file_kind == "source" else kind
             for threads, result in runs.items():
-                add(f"llama.cpp {label}, {threads} thread{'s' if threads > 1 else ''}", tokens, result)
+                bare = "" if result.get("extra_bufts", True) else " (no repacking: it crashed)"
+                add(f"llama.cpp {label}, {threads} thread{'s' if threads > 1 else ''}{bare}", tokens, result)
 
     def add(setup: str, tokens: int, result: dict) -> None:
         ref = reference.get(tokens)

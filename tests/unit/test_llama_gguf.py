@@ -112,3 +112,36 @@ def test_a_rewrite_is_written_once_and_named_for_its_source(source, tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == [first.name]  # nothing partial left behind
     source.write_bytes(source.read_bytes())  # the source changed: its key changes, a new file is written
     assert gguf_file(source, "F32", folder) != first
+
+
+def test_a_llama_cpp_killed_by_a_signal_runs_once_more_without_repacking(monkeypatch, tmp_path):
+    """llama.cpp's AMX repacking segfaults on some Xeons: the measurement is taken again with the weights as they
+    are, and says so; a child that fails with an exit status is not run again, and its own error is said."""
+    import subprocess
+    import sys
+
+    from daemon.bench import llama_cpp
+
+    requests = []
+
+    def child(request, timeout):  # real processes: one killed by SIGSEGV while it repacks, one that answers
+        requests.append(request)
+        if request.get("extra_bufts", True):
+            code = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+        else:
+            code = "import json; print(json.dumps({'decode_tps': 12.5, 'extra_bufts': False}))"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+    monkeypatch.setattr(llama_cpp, "installed", lambda: True)
+    monkeypatch.setattr(llama_cpp, "_child", child)
+    result = llama_cpp.measure(tmp_path / "m.Q8_0.gguf", [1, 2], 4, 2)
+    assert result == {"decode_tps": 12.5, "extra_bufts": False}
+    assert [r.get("extra_bufts", True) for r in requests] == [True, False]
+
+    requests.clear()
+    failing = "import sys; print('RuntimeWarning: noise', file=sys.stderr); sys.exit('no such file')"
+    monkeypatch.setattr(llama_cpp, "_child", lambda request, timeout: requests.append(request) or subprocess.run(
+        [sys.executable, "-c", failing], capture_output=True, text=True, timeout=timeout))
+    with pytest.raises(RuntimeError, match="with 2 thread\\(s\\) failed: no such file"):
+        llama_cpp.measure(tmp_path / "m.Q8_0.gguf", [1, 2], 4, 2)
+    assert len(requests) == 1
