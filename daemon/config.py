@@ -131,9 +131,10 @@ class NodeConfig:
         help="where weights, caches and compute live: auto, cpu, cuda, cuda:N or mps (default auto: a GPU "
         "if torch sees one, else the CPU)")
     quantize: str | None = setting(
-        None, flag="--quantize", choices=("int8", "int8-torchao"),
-        help="weight-only int8 for this node's decoder layers: a quarter of float32's bytes (int8: PyTorch's "
-        "int8 kernel in bfloat16, fast on CPU; int8-torchao: torchao's own, any device, slow on CPU)")
+        None, flag="--quantize", choices=("int8", "int8-torchao", "int4"),
+        help="weight-only quantization of this node's decoder layers: int8 (a quarter of float32's bytes; native "
+        "kernels on CPU), int8-torchao (torchao's own, any device, slow on CPU) or int4 (llama.cpp's Q4_0 format: "
+        "4.5 bits a weight, an int8 LM head; native kernels on CPU)")
     prefix_reuse: str = setting(
         "shared", flag="--prefix-reuse", choices=("shared", "client", "off"),
         help="as head, start a request from a session the mesh already holds when its prompt begins with that "

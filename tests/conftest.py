@@ -117,3 +117,14 @@ def openai_mesh(tiny_model, tmp_path_factory):
     finally:
         for d in mesh:
             d.stop()
+
+
+@pytest.fixture
+def rebuilt(tmp_path, monkeypatch):
+    """``native.library()`` looked up afresh, building into an empty cache."""
+    from daemon.model import native
+
+    monkeypatch.setattr("daemon.model.source.cache_dir", lambda: tmp_path / "models")
+    native.library.cache_clear()
+    yield tmp_path / "native"
+    native.library.cache_clear()

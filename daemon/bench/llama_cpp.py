@@ -1,8 +1,9 @@
 """llama.cpp on the same weights: the program users would run instead, measured in the same run.
 
 The bench writes the model's GGUF again at the precision it compares (:func:`gguf_file`): every tensor
-dequantized from the source file, then stored as F32 (the weights a float32 node computes with), BF16, or
-Q8_0 (next to ``--quantize int8``). The source file itself (the built-in model ships as Q4_1) is a row too.
+dequantized from the source file, then stored as F32 (the weights a float32 node computes with), BF16,
+Q8_0 (next to ``--quantize int8``) or Q4_0 (next to ``--quantize int4``, its embeddings and LM head in Q8_0 as that
+node's LM head is int8). The source file itself (the built-in model ships as Q4_1) is a row too.
 llama.cpp runs in a process of its own (``python -m daemon.bench.llama_cpp``), one per measurement, so its
 threads never share a process with torch's, and a machine without the ``bench`` extra
 (``pip install "meshnet[bench]"``, which builds llama.cpp from source) gets one line saying so.
@@ -24,7 +25,8 @@ INSTALL_HINT = ('llama.cpp is not installed here: pip install "meshnet[bench]" (
                 "a few minutes) to measure it in the same run")
 
 # a node's precision -> the GGUF type llama.cpp runs at the same precision
-SAME_PRECISION = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0"}
+SAME_PRECISION = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_0"}
+WIDE_TENSORS = ("token_embd.weight", "output.weight")  # kept in Q8_0 in a Q4_0 file
 
 
 def installed() -> bool:
@@ -33,7 +35,7 @@ def installed() -> bool:
 
 
 def gguf_file(source: Path, kind: str, folder: Path) -> Path:
-    """``source`` as a GGUF of type ``kind`` (F32, BF16, Q8_0, or ``source`` for the file itself), written
+    """``source`` as a GGUF of type ``kind`` (F32, BF16, Q8_0, Q4_0, or ``source`` for the file itself), written
     once into ``folder`` under a name keyed by the source's path, size and time, and reused after."""
     if kind == "source":
         return source
@@ -53,8 +55,8 @@ def gguf_file(source: Path, kind: str, folder: Path) -> Path:
 
 def rewrite_gguf(source: Path, target: Path, kind: str) -> None:
     """Write ``source``'s metadata and tensors to ``target``, every tensor dequantized and stored as ``kind``:
-    F32 or BF16 for all; Q8_0 for matrices whose rows are whole blocks (one-dimensional tensors, such as
-    norms, stay F32, as llama.cpp's own quantizer keeps them)."""
+    F32 or BF16 for all; Q8_0 or Q4_0 for matrices whose rows are whole blocks (one-dimensional tensors, such as
+    norms, stay F32, as llama.cpp's own quantizer keeps them; a Q4_0 file's embeddings and LM head are Q8_0)."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
     from gguf.constants import GGML_QUANT_SIZES
@@ -62,7 +64,7 @@ def rewrite_gguf(source: Path, target: Path, kind: str) -> None:
 
     qtype = GGMLQuantizationType[kind]
     file_type = {"F32": LlamaFileType.ALL_F32, "BF16": LlamaFileType.MOSTLY_BF16,
-                 "Q8_0": LlamaFileType.MOSTLY_Q8_0}[kind]
+                 "Q8_0": LlamaFileType.MOSTLY_Q8_0, "Q4_0": LlamaFileType.MOSTLY_Q4_0}[kind]
     reader = GGUFReader(source)
     architecture = reader.fields["general.architecture"].contents()
     writer = GGUFWriter(target, architecture)
@@ -74,10 +76,12 @@ def rewrite_gguf(source: Path, target: Path, kind: str) -> None:
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), field.types[0], sub_type)
     writer.add_file_type(file_type)
-    block = GGML_QUANT_SIZES[qtype][0]
     for tensor in reader.tensors:
         weights = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        keep = qtype if weights.ndim > 1 and weights.shape[-1] % block == 0 else GGMLQuantizationType.F32
+        wide = qtype == GGMLQuantizationType.Q4_0 and tensor.name in WIDE_TENSORS
+        keep = GGMLQuantizationType.Q8_0 if wide else qtype
+        if weights.ndim < 2 or weights.shape[-1] % GGML_QUANT_SIZES[keep][0]:
+            keep = GGMLQuantizationType.F32
         data = quantize(weights, keep)
         writer.add_tensor(tensor.name, data, raw_dtype=keep if keep != GGMLQuantizationType.F32 else None)
     writer.write_header_to_file()

@@ -40,10 +40,10 @@ from daemon.host import host_cores
 
 SETUPS = ("generate", "one", "llama.cpp", "cached", "stateless", "three", "multiturn", "shared-prefix", "real-size",
           "speculation")
-PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8")
-# a precision's compute dtype and quantization: int8 weights with float32 activations, which a CPU node's native
-# decode steps take (daemon.model.decode.NativeSteps; with bfloat16 activations they run torch's ops)
-QUANTIZED = {"int8": ("float32", "int8")}
+PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
+# a precision's compute dtype and quantization: int8 or int4 weights with float32 activations, which a CPU node's
+# native decode steps take (daemon.model.decode.NativeSteps; with bfloat16 activations they run torch's ops)
+QUANTIZED = {"int8": ("float32", "int8"), "int4": ("float32", "int4")}
 
 
 def fastest(times: int, run, *args) -> dict:
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape-tokens", type=int, default=32, help="new tokens per real-size run (default 32)")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["auto"],
                         help="compute dtypes to measure, each against generate in the same dtype (default auto: "
-                        "what meshd runs in on this machine); int8: int8 weights in float32, against generate "
-                        "with the same quantization")
+                        "what meshd runs in on this machine); int8, int4: quantized weights in float32, against "
+                        "generate with the same quantization")
     parser.add_argument("--device", default="cpu", help="where every node and the reference compute: cpu, cuda, "
                         "cuda:N or mps (default cpu)")
     parser.add_argument("--threads", type=int, help="torch threads per daemon (default: meshd's own, which shares "
@@ -208,7 +208,7 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
     if "generate" in args.setups:
         say(f"loading the model for single-process generate in {precision}")
         ref_model = Reference(folder, *QUANTIZED.get(precision, (precision, None)), device=args.device)
-    # llama.cpp on the same weights at the same precision, and (next to int8) on the file as it came
+    # llama.cpp on the same weights at the same precision, and (next to int8 and int4) on the file as it came
     kind = llama_cpp.SAME_PRECISION.get(precision) if "llama.cpp" in args.setups else None
     llama_files = {}
     if kind:
@@ -216,7 +216,7 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
 
         say(f"writing {args.gguf.name} as {kind} for llama.cpp (once; kept in the meshnet cache)")
         llama_files[kind] = llama_cpp.gguf_file(args.gguf, kind, cache_dir() / "bench")
-        if precision == "int8":
+        if precision in QUANTIZED:
             llama_files["source"] = args.gguf
     llama_threads: dict[int, int] = {}  # new tokens -> the thread count of the fastest same-precision run
     ids = prompt_ids(folder) if llama_files else []

@@ -256,7 +256,7 @@ class FastDecoder:
 
 class NativeSteps:
     """The same one-position step, each layer in one call of the native library (``meshnet_llama_layer`` in
-    ``gemv.c``): float32 activations, weights in float32 or int8, caches that grow in place.
+    ``gemv.c``): float32 activations, weights in float32, int8 or 4-bit, caches that grow in place.
 
     What it saves is the per-op cost between the products: about 35 torch ops a layer at a few microseconds
     each, over 1000 a step for the built-in model. Its sums run in another order than torch's (RMSNorm's mean,
@@ -335,14 +335,16 @@ class NativeSteps:
 
 def _native_matrix(module: nn.Module, keep: list[torch.Tensor]):
     """``module``'s weight as a ``struct matrix``, or None where the native step cannot read it."""
+    from daemon.model.int4 import Int4WeightLinear
     from daemon.model.quantize import Int8WeightLinear
 
     bias = getattr(module, "bias", None)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
-    if type(module) is Int8WeightLinear:
-        weight, scale = module.weight_int8.detach(), module.scale.detach()
-        if not (weight.is_contiguous() and scale.is_contiguous()):
+    if type(module) in (Int8WeightLinear, Int4WeightLinear):
+        weight = module.weight_int8 if type(module) is Int8WeightLinear else module.weight_q4
+        weight, scale = weight.detach(), module.scale.detach()
+        if not (weight.is_contiguous() and scale.is_contiguous() and weight.device.type == "cpu"):
             return None
     elif isinstance(module, nn.Linear) and type(module.weight.data) is torch.Tensor:
         weight, scale = module.weight.detach(), None
@@ -352,5 +354,5 @@ def _native_matrix(module: nn.Module, keep: list[torch.Tensor]):
         return None
     keep.extend(t for t in (weight, scale, bias) if t is not None)
     return native.Matrix(weight.data_ptr(), scale.data_ptr() if scale is not None else None,
-                         bias.data_ptr() if bias is not None else None, weight.shape[0], weight.shape[1],
+                         bias.data_ptr() if bias is not None else None, weight.shape[0], module.in_features,
                          native.MATRIX_KINDS[weight.dtype])

@@ -24,7 +24,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # bytes per output channel besides the int8 values (daemon.model.quantize): the int8 method keeps a
 # bfloat16 scale per row for its kernel; torchao's own layout a float32 scale and an int8 zero point
 INT8_ROW_BYTES = {"int8": 2, "int8-torchao": 5}
-QUANTIZATIONS = tuple(INT8_ROW_BYTES)
+INT4_BLOCK = 32  # int4 (daemon.model.int4): half a byte a value and a float16 scale per block of 32 values
+QUANTIZATIONS = (*INT8_ROW_BYTES, "int4")
 # the gated delta rule keeps its recurrent state in float32 whatever the model's dtype (Qwen3-Next, Qwen3.5)
 RECURRENT_STATE_BYTES = 4
 WINDOW_TENSOR_BYTES = 8  # DynamicSlidingWindowLayer keeps its window size as an int64 tensor
@@ -57,7 +58,7 @@ class PartValues:
     """The parameters of one part of the model, as counts of values."""
 
     plain: int = 0  # values held in the chosen dtype
-    linear: int = 0  # values of nn.Linear weights: the chosen dtype, or 1 byte each in int8
+    linear: int = 0  # values of nn.Linear weights: the chosen dtype, or 1 byte each in int8 (half in int4)
     linear_rows: int = 0  # output channels of those weights: one int8 scale each
     fixed_values: int = 0  # values of parameters the model keeps in their own dtype whatever is asked
     fixed_bytes: int = 0  # and their bytes
@@ -69,7 +70,9 @@ class PartValues:
     def nbytes(self, precision: Precision, *, quantizable: bool = False) -> int:
         """Bytes held in ``precision``; ``quantizable``: this part is a decoder layer (int8 applies)."""
         size = precision.value_bytes
-        if quantizable and precision.quantize is not None:
+        if quantizable and precision.quantize == "int4":
+            linear = self.linear // 2 + self.linear // INT4_BLOCK * 2
+        elif quantizable and precision.quantize is not None:
             linear = self.linear + self.linear_rows * INT8_ROW_BYTES[precision.quantize]
         else:
             linear = self.linear * size
@@ -157,11 +160,11 @@ class ModelFootprint:
         """Bytes of weights a node hosting layers ``[start, end)`` holds once it has headed a generation.
 
         Part names follow ``GET /v1/status`` ``weights_bytes``; every node holds the embeddings (any node
-        can head), the tail the final norm and an untied LM head, or with the int8 method an int8 LM head.
+        can head), the tail the final norm and an untied LM head, or with the int8 and int4 methods an int8 LM head.
         """
         tail = end == self.num_layers
-        if precision.quantize == "int8":  # daemon.model.quantize.quantize_head
-            head = self.head.nbytes(precision, quantizable=True)
+        if precision.quantize in ("int8", "int4"):  # daemon.model.quantize.quantize_head
+            head = self.head.nbytes(Precision(precision.dtype, "int8"), quantizable=True)
         else:
             head = self.lm_head.nbytes(precision)
         return {

@@ -143,16 +143,18 @@ static inline void dot4_bf16_pairs(const uint16_t *restrict w, long stride, cons
 #define Q8_BLOCK 64
 
 struct q8row {
-    int8_t *q;   /* [n] the quantized values */
-    float *d;    /* [blocks] each block's scale */
-    float shift; /* -128 * sum over the whole blocks of d * the sum of their values */
+    int8_t *q;     /* [n] the quantized values */
+    float *d;      /* [blocks] each block's scale */
+    float shift;   /* -128 * sum over the whole blocks of d * the sum of their values */
+    int32_t *neg8; /* [whole blocks, 16] -8 * the sum of each four values in a block (4-bit weights, below) */
 };
 
 #define Q8_BLOCKS(n) (((n) + Q8_BLOCK - 1) / Q8_BLOCK)
-#define Q8_FLOATS(n) (Q8_BLOCKS(n) * (Q8_BLOCK / 4 + 1))
+#define Q8_FLOATS(n) (Q8_BLOCKS(n) * (Q8_BLOCK / 4 + 1 + Q8_BLOCK / 4))
 /* a q8row for `n` values in `memory`, which holds Q8_FLOATS(n) floats */
 static struct q8row q8_at(float *memory, long n) {
-    struct q8row r = {(int8_t *)(memory + Q8_BLOCKS(n)), memory, 0.f};
+    struct q8row r = {(int8_t *)(memory + Q8_BLOCKS(n)), memory, 0.f,
+                      (int32_t *)(memory + Q8_BLOCKS(n) * (Q8_BLOCK / 4 + 1))};
     return r;
 }
 
@@ -244,8 +246,116 @@ static void quantize_q8(const void *x, long n, int dtype, struct q8row *r) {
         int32_t sum;
         const float d = r->d[b / Q8_BLOCK] = quantize_block(values, count, r->q + b, &sum);
         if (Q8_SHIFTED && count == Q8_BLOCK) r->shift += d * (float)(-128 * sum);
+        if (count == Q8_BLOCK)
+            for (int lane = 0; lane < Q8_BLOCK / 4; lane++) {
+                const int8_t *four = r->q + b + 4 * lane;
+                r->neg8[b / 4 + lane] = -8 * (four[0] + four[1] + four[2] + four[3]);
+            }
     }
 }
+
+/* ---- 4-bit weights by int8 inputs ------------------------------------------------------------------------------
+ *
+ * A 4-bit matrix keeps each row as blocks of 32 values d * (q - 8), q in 0..15, with one float16 scale d per block,
+ * as llama.cpp's Q4_0 does (4.5 bits a value). Its bytes pair the values up in runs of 128 (four blocks): byte j of a
+ * run holds value j in its low half and value j + 64 in its high half, so one 64-byte load and two masks give two
+ * runs of 64 values in order; what is left of a row after its runs of 128 is a run of 64 (j with j + 32) and then
+ * of 32 (j with j + 16), where it fits. The input row is quantized as for int8 weights (blocks of 64, one scale
+ * each), so one AVX-512 VNNI instruction multiplies 64 unsigned 4-bit values by 64 int8 inputs into 16 exact lanes,
+ * which start from the row's -8 * sum of each lane's four inputs (`neg8`): lanes 0-7 then hold one block's exact
+ * sum of (q - 8) * x, lanes 8-15 the next's. Each lane is scaled by its block's d times the input block's scale, in
+ * float32. */
+
+static inline float from_f16(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0) return (sign ? -1.f : 1.f) * ldexpf((float)m, -24);
+    const uint32_t u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* the run of a 4-bit row of n values that value k is in: its first value, and half its length */
+static inline long run_of(long k, long n, long *half) {
+    long start = k / 128 * 128;
+    if (start + 128 <= n) return *half = 64, start;
+    start = k / 64 * 64;
+    if (start + 64 <= n) return *half = 32, start;
+    return *half = 16, k / 32 * 32;
+}
+
+/* value k (0 <= k < n) of a 4-bit row of n values, as its q in 0..15 */
+static inline int nibble(const uint8_t *w, long k, long n) {
+    long half;
+    const long run = run_of(k, n, &half), j = k - run;
+    const uint8_t byte = w[run / 2 + j % half];
+    return j < half ? byte & 15 : byte >> 4;
+}
+
+/* the blocks of 32 from `k` on, one at a time: each block's exact integer sum, times its scales */
+static inline float q4_blocks(const uint8_t *restrict w, const uint16_t *restrict d, const struct q8row *x, long k,
+                              long n) {
+    float acc = 0.f;
+    for (; k < n; k += 32) {
+        int32_t s = 0;
+        for (long t = k; t < k + 32; t++) s += (nibble(w, t, n) - 8) * x->q[t];
+        acc += (float)s * (from_f16(d[k / 32]) * x->d[k / Q8_BLOCK]);
+    }
+    return acc;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* the run of 128 values from k: its four blocks' sums, each lane times its block's scales, added into a[0] and a[1] */
+static inline void q4_run(const uint8_t *restrict w, const uint16_t *restrict d, const struct q8row *x, long k,
+                          __m512 *a) {
+    const __m512i packed = _mm512_loadu_si512(w + k / 2), low = _mm512_set1_epi8(0x0f);
+    const long b = k / Q8_BLOCK;
+    const __m512i first = _mm512_dpbusd_epi32(_mm512_loadu_si512(x->neg8 + 16 * b), _mm512_and_si512(packed, low),
+                                              _mm512_loadu_si512(x->q + k));
+    const __m512i second = _mm512_dpbusd_epi32(_mm512_loadu_si512(x->neg8 + 16 * (b + 1)),
+                                               _mm512_and_si512(_mm512_srli_epi16(packed, 4), low),
+                                               _mm512_loadu_si512(x->q + k + Q8_BLOCK));
+    const __m128 dx = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(x->d + b)));  /* [dx0, dx1, -, -] */
+    const __m512 scales = _mm512_castps128_ps512(
+        _mm_mul_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(d + k / 32))), _mm_unpacklo_ps(dx, dx)));
+    a[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first),
+                           _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), scales),
+                           a[0]);
+    a[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second),
+                           _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2), scales),
+                           a[1]);
+}
+
+/* the run of 64 values from k (after a row's runs of 128): its two blocks' sums, each lane times its block's scales */
+static inline __m512 q4_run64(const uint8_t *restrict w, const uint16_t *restrict d, const struct q8row *x, long k,
+                              __m512 acc) {
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)(w + k / 2)), low = _mm256_set1_epi8(0x0f);
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, low)),
+                                         _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), 1);
+    const __m512i sums = _mm512_dpbusd_epi32(_mm512_loadu_si512(x->neg8 + 16 * (k / Q8_BLOCK)), q,
+                                             _mm512_loadu_si512(x->q + k));
+    const __m512 scales = _mm512_castps128_ps512(_mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(*(const int *)(d + k / 32))),
+                                                            _mm_set1_ps(x->d[k / Q8_BLOCK])));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
+                           _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), scales),
+                           acc);
+}
+
+static inline float dot_q4(const uint8_t *restrict w, const uint16_t *restrict d, const struct q8row *x, long n) {
+    __m512 a[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    long k = 0;
+    for (; k + 128 <= n; k += 128) {
+        PREFETCH(w + k / 2);
+        q4_run(w, d, x, k, a);
+    }
+    if (k + 64 <= n) a[0] = q4_run64(w, d, x, k, a[0]), k += 64;
+    return _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1])) + (k < n ? q4_blocks(w, d, x, k, n) : 0.f);
+}
+#else
+static inline float dot_q4(const uint8_t *restrict w, const uint16_t *restrict d, const struct q8row *x, long n) {
+    return q4_blocks(w, d, x, 0, n);
+}
+#endif
 
 static inline void store(void *p, long i, float v, int dtype) {
     if (dtype == F32) ((float *)p)[i] = v;
@@ -266,8 +376,9 @@ static const float *inputs(const void *x, long count, int dtype, float *scratch)
  * LM head 23 -> 25 GB/s on a Zen 4, where the experts' 1024x2048 and 2048x512 matrices gained nothing */
 #define TALL 16384
 
-/* what a weight matrix holds: float32, bfloat16, or int8 with one bfloat16 scale per row */
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
+/* what a weight matrix holds: float32, bfloat16, int8 with one bfloat16 scale per row, or 4-bit values with one
+ * float16 scale per block of 32 (4-bit rows are in / 2 bytes long) */
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_Q4 = 3 };
 
 /* one input row of a product: float32 values, or for int8 weights their quantization */
 struct row {
@@ -295,7 +406,8 @@ static inline void block(int kind, const void *w, const uint16_t *scale, long r0
             const long r = r0 + i;
             v[i] = kind == W_F32    ? dot_f32((const float *)w + r * in, x->f, in)
                    : kind == W_BF16 ? dot_bf16((const uint16_t *)w + r * in, x->f, in)
-                                    : dot_q8((const int8_t *)w + r * in, &x->q, in) * from_bf16(scale[r]);
+                   : kind == W_INT8 ? dot_q8((const int8_t *)w + r * in, &x->q, in) * from_bf16(scale[r])
+                                    : dot_q4((const uint8_t *)w + r * (in / 2), scale + r * (in / 32), &x->q, in);
         }
 }
 
@@ -308,7 +420,7 @@ static void rows_by(int kind, const void *w, const uint16_t *scale, const void *
                     long rows, long out, long in, int dtype, float *scratch) {
     struct row xs[MAX_ROWS];
     if (rows > MAX_ROWS) return;
-    if (kind == W_INT8)
+    if (kind == W_INT8 || kind == W_Q4)
         for (long m = 0; m < rows; m++) {
             xs[m].q = q8_at(scratch + m * Q8_FLOATS(in), in);
             quantize_q8((const char *)x + m * in * (dtype == F32 ? 4 : 2), in, dtype, &xs[m].q);
@@ -373,6 +485,31 @@ long meshnet_q8_floats(long n) { return Q8_FLOATS(n); }
 void meshnet_gemv_int8(const int8_t *w, const uint16_t *scale, const void *x, const void *bias, void *y, long rows,
                        long out, long in, int dtype, float *scratch) {
     rows_by(W_INT8, w, scale, x, bias, y, rows, out, in, dtype, scratch);
+}
+
+/* rows by 4-bit weights `w` (in a multiple of 32) with float16 block scales `scale` [out, in / 32], each input row
+ * quantized as for int8 weights */
+void meshnet_gemv_q4(const uint8_t *w, const uint16_t *scale, const void *x, const void *bias, void *y, long rows,
+                     long out, long in, int dtype, float *scratch) {
+    rows_by(W_Q4, w, scale, x, bias, y, rows, out, in, dtype, scratch);
+}
+
+/* rows r0..r0+count-1 of a 4-bit matrix as values in `dtype` into y [count, in]: d * (q - 8), exact in float32 */
+void meshnet_dequantize_q4(const uint8_t *w, const uint16_t *scale, void *y, long r0, long count, long in, int dtype) {
+#pragma omp parallel for schedule(static)
+    for (long i = 0; i < count; i++) {
+        const uint8_t *row = w + (r0 + i) * (in / 2);
+        const uint16_t *d = scale + (r0 + i) * (in / 32);
+        long half;
+        for (long run = 0; run < in; run += 2 * half) {
+            run_of(run, in, &half);
+            for (long j = 0; j < half; j++) {
+                const uint8_t byte = row[run / 2 + j];
+                store(y, i * in + run + j, from_f16(d[(run + j) / 32]) * (float)((byte & 15) - 8), dtype);
+                store(y, i * in + run + half + j, from_f16(d[(run + half + j) / 32]) * (float)((byte >> 4) - 8), dtype);
+            }
+        }
+    }
 }
 
 /* ---- one query's attention over bfloat16 keys and values (daemon/model/decode.py's attend_in_float32) --------
@@ -517,8 +654,8 @@ void meshnet_delta_step(const struct delta_net *L, const void *qkv, const void *
  * OpenMP threads. */
 
 struct matrix {
-    const void *w;          /* [rows, cols] float32 or int8 */
-    const uint16_t *scale;  /* int8: one bfloat16 scale per row */
+    const void *w;          /* [rows, cols] float32 or int8, or [rows, cols / 2] bytes of 4-bit values */
+    const uint16_t *scale;  /* int8: one bfloat16 scale per row; 4-bit: one float16 scale per block of 32 */
     const float *bias;      /* [rows] or NULL */
     long rows, cols;
     int kind;
@@ -532,14 +669,14 @@ struct layer {
 };
 
 /* y_i[m] = m_i x[m] for up to three matrices sharing the inputs x ([rows, cols]), their outputs shared out among
- * the threads together, four at a time, every input row against a block while it is in the cache; int8 matrices
- * take each row of x quantized into `q8` (rows * meshnet_q8_floats of the longest x) */
+ * the threads together, four at a time, every input row against a block while it is in the cache; int8 and 4-bit
+ * matrices take each row of x quantized into `q8` (rows * meshnet_q8_floats of the longest x) */
 static void products(const struct matrix *const *ms, float *const *ys, int count, const float *x, long rows,
                      float *q8) {
     struct row xr[MAX_ROWS];
     int quantized = 0;
     const long cols = ms[0]->cols;
-    for (int i = 0; i < count; i++) quantized |= ms[i]->kind == W_INT8;
+    for (int i = 0; i < count; i++) quantized |= ms[i]->kind == W_INT8 || ms[i]->kind == W_Q4;
     for (long m = 0; m < rows; m++) {
         xr[m].f = x + m * cols, xr[m].h = NULL;
         if (quantized) {

@@ -46,7 +46,7 @@ class Matrix(ctypes.Structure):
     _fields_ = [("w", _P), ("scale", _P), ("bias", _P), ("rows", _L), ("cols", _L), ("kind", _I)]
 
 
-MATRIX_KINDS = {torch.float32: 0, torch.int8: 2}
+MATRIX_KINDS = {torch.float32: 0, torch.int8: 2, torch.uint8: 3}  # uint8: 4-bit values, two a byte
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -74,6 +74,12 @@ class Library:
         self.gemv_int8 = lib.meshnet_gemv_int8
         self.gemv_int8.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
         self.gemv_int8.restype = None
+        self.gemv_q4 = lib.meshnet_gemv_q4
+        self.gemv_q4.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
+        self.gemv_q4.restype = None
+        self.dequantize_q4 = lib.meshnet_dequantize_q4
+        self.dequantize_q4.argtypes = [_P, _P, _P, _L, _L, _L, _I]
+        self.dequantize_q4.restype = None
         self.llama_layer = lib.meshnet_llama_layer
         self.llama_layer.argtypes = [ctypes.POINTER(Layer), _P, _P, _P, _P, _P, _L, _L, _L, _P]
         self.llama_layer.restype = None
@@ -241,6 +247,39 @@ def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: 
     work = scratch(rows * lib.q8_floats(weight.shape[1]))  # each row quantized
     lib.gemv_int8(weight.data_ptr(), scale.data_ptr(), x.data_ptr(), _pointer(bias), y.data_ptr(), rows,
                   *weight.shape, _DTYPES[x.dtype], work)
+    return y
+
+
+def gemv_q4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, columns: int,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` by the 4-bit matrix ``packed [out, columns / 2]`` with float16 block scales ``scale [out, columns / 32]``
+    (:mod:`daemon.model.int4`), in ``x``'s dtype (float32 or bfloat16), at most :data:`MAX_ROWS` rows: each row of
+    ``x`` quantized as :func:`gemv_int8` quantizes it, the products exact integer sums per block of 32, each block's
+    scaled in float32."""
+    lib = library()
+    if (x.dtype not in _DTYPES or packed.dtype != torch.uint8 or scale.dtype != torch.float16 or columns % 32
+            or packed.shape[1] * 2 != columns or scale.shape != (packed.shape[0], columns // 32)
+            or not packed.is_contiguous() or not scale.is_contiguous() or x.shape[-1] != columns
+            or x.numel() > MAX_ROWS * columns):
+        raise ValueError("gemv_q4 takes float32 or bfloat16 rows by a contiguous 4-bit matrix with float16 scales")
+    x = x.contiguous()
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        bias = bias.to(x.dtype).contiguous()
+    y = torch.empty(*x.shape[:-1], packed.shape[0], dtype=x.dtype)
+    rows = x.numel() // columns
+    lib.gemv_q4(packed.data_ptr(), scale.data_ptr(), x.data_ptr(), _pointer(bias), y.data_ptr(), rows,
+                packed.shape[0], columns, _DTYPES[x.dtype], scratch(rows * lib.q8_floats(columns)))
+    return y
+
+
+def dequantize_q4(packed: torch.Tensor, scale: torch.Tensor, columns: int, first: int, last: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``first..last`` of a 4-bit matrix (as :func:`gemv_q4` takes it) as weights in ``dtype``."""
+    if dtype not in _DTYPES or not 0 <= first <= last <= packed.shape[0]:
+        raise ValueError(f"dequantize_q4 gives float32 or bfloat16 rows of {packed.shape[0]}")
+    y = torch.empty(last - first, columns, dtype=dtype)
+    library().dequantize_q4(packed.data_ptr(), scale.data_ptr(), y.data_ptr(), first, last - first, columns,
+                            _DTYPES[dtype])
     return y
 
 

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from daemon.errors import ModelUnavailable
 from daemon.model import native
 
-METHODS = ("int8", "int8-torchao")
+METHODS = ("int8", "int8-torchao", "int4")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 KERNEL_DTYPE = torch.bfloat16  # the int8 method's matmul dtype: fast on CPU where float32 is not
 _KERNEL = "aten::_weight_int8pack_mm"
@@ -70,10 +70,13 @@ def quantize_model(model: nn.Module, method: str) -> None:
 def quantize_head(model: nn.Module, method: str) -> None:
     """With the ``int8`` method, replace ``model.lm_head`` (loaded, plain ``nn.Linear``) by an int8 copy: a
     quarter of float32's bytes read every step. An LM head tied to the embeddings gets a copy of its own; the
-    embeddings stay as loaded. ``int8-torchao`` leaves the LM head as it is (its linears would turn the whole
-    matrix back into floats on every step)."""
+    embeddings stay as loaded. ``int4`` does the same on a CPU (an int8 LM head, as llama.cpp's Q4_0 files keep
+    theirs wider than their layers). ``int8-torchao`` leaves the LM head as it is (its linears would turn the
+    whole matrix back into floats on every step)."""
     head = model.lm_head
-    if method != "int8" or type(head) is not nn.Linear or head.weight.device.type == "meta":
+    if method not in ("int8", "int4") or type(head) is not nn.Linear or head.weight.device.type == "meta":
+        return
+    if method == "int4" and head.weight.device.type != "cpu":
         return
     check_quantization(method, head.weight.dtype, head.weight.device)
     model.lm_head = Int8WeightLinear(head)
@@ -86,6 +89,18 @@ def quantize_layers(layers: list[nn.Module], method: str) -> None:
         raise ModelUnavailable(f"{method} weights: these layers have no nn.Linear to quantize")
     weight = linears[0][0].get_submodule(linears[0][1]).weight
     check_quantization(method, weight.dtype, weight.device)
+    if method == "int4":
+        from daemon.model.int4 import BLOCK, Int4WeightLinear
+
+        odd = next((f"{name} ({layer.get_submodule(name).in_features} inputs)" for layer, name in linears
+                    if layer.get_submodule(name).in_features % BLOCK), None)
+        if odd is not None:
+            raise ModelUnavailable(f"int4 weights take rows of whole blocks of {BLOCK}, and {odd} is not: use int8")
+        for layer, name in linears:
+            parent_name, _, attribute = name.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            setattr(parent, attribute, Int4WeightLinear(getattr(parent, attribute)))
+        return
     _import_torchao()
     if method == "int8-torchao":
         from torchao.quantization import Int8WeightOnlyConfig, PerRow, quantize_

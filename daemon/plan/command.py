@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
                    "device that computes it; bfloat16 for a GGUF file)")
     p.add_argument("--quantize", choices=QUANTIZATIONS, help="int8: weight-only int8 of the decoder layers' Linear "
                    "weights (1 byte each plus a bfloat16 scale per output channel; int8-torchao: a float32 scale "
-                   "and an int8 zero point)")
+                   "and an int8 zero point); int4: half a byte each plus a float16 scale per 32 (llama.cpp's Q4_0)")
     p.add_argument("--context", type=_positive_int, metavar="TOKENS", help="tokens per session to size the caches "
                    f"for (default: the model's context, at most {DEFAULT_CONTEXT_CAP})")
     p.add_argument("--reserve", type=parse_size, default=DEFAULT_RESERVE, metavar="SIZE",

@@ -256,7 +256,7 @@ INVALID = {
     "kv_max_bytes": [("env", "-1"), ("env", "1GB"), ("cli", -5), ("toml", -1)],
     "dtype": [("env", "int8"), ("cli", "float64"), ("toml", "fp16")],
     "device": [("env", "gpu"), ("env", "cuda:"), ("cli", "CUDA"), ("toml", "tpu")],
-    "quantize": [("env", "int4"), ("cli", "fp8"), ("toml", "")],
+    "quantize": [("env", "int3"), ("cli", "fp8"), ("toml", "")],
     "prefix_reuse": [("env", "always"), ("cli", "user"), ("toml", "")],
     "draft_model": [("cli", ""), ("toml", " ")],
     "draft_max": [("env", "0"), ("env", "33"), ("env", "four"), ("cli", -1), ("toml", 0)],

@@ -116,12 +116,12 @@ needs_native = pytest.mark.skipif(native.library() is None, reason="no C compile
 
 
 @needs_native
-@pytest.mark.parametrize("quantize", [None, "int8"], ids=["fp32", "int8"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"], ids=["fp32", "int8", "int4"])
 @pytest.mark.parametrize("arch, start", [("llama", 0), ("llama", 2), ("qwen2", 0)])
 def test_native_steps_are_the_layers_own_forward_within_float_rounding(tiny_model, monkeypatch, arch, start,
                                                                        quantize):
     """The whole layer in one native call (RMSNorm, q/k/v with Qwen2's biases, rotary, the cache write, attention,
-    the gated MLP), float32 or int8 weights: every step's hidden states and logits within float32 rounding of the
+    the gated MLP), float32, int8 or 4-bit weights: every step's hidden states and logits within float32 rounding of the
     layers' own forward through the same weights, and the caches grown past their first capacity alike."""
     end = 2 if arch == "qwen2" else 4
     shard = ModelShard(tiny_model(arch), start, end, head=start == 0, sessions=SessionCacheStore(), quantize=quantize)

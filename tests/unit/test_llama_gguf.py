@@ -145,3 +145,38 @@ def test_a_llama_cpp_killed_by_a_signal_runs_once_more_without_repacking(monkeyp
     with pytest.raises(RuntimeError, match="with 2 thread\\(s\\) failed: no such file"):
         llama_cpp.measure(tmp_path / "m.Q8_0.gguf", [1, 2], 4, 2)
     assert len(requests) == 1
+
+
+def test_q4_0_quantizes_the_layers_and_keeps_the_embeddings_q8_0(source, tmp_path):
+    """Next to a node's int4 layers and int8 LM head: the layers' matrices in Q4_0, the embeddings (the tied LM head)
+    in Q8_0, norms in F32; each stored value within half a step of the source's (Q4_0: a whole step where its 7 is
+    clipped, the block's largest magnitude being -8 steps)."""
+    rng = np.random.default_rng(1)
+    with_embeddings = tmp_path / "embedded.Q4_1.gguf"
+    writer = GGUFWriter(with_embeddings, "llama")
+    writer.add_block_count(1)
+    for name, tensor in _tensors(source).items():
+        writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.add_tensor("token_embd.weight", quantize(rng.standard_normal((3, 64)).astype(np.float32), Q.Q4_1),
+                      raw_dtype=Q.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    target = tmp_path / "small.Q4_0.gguf"
+    rewrite_gguf(with_embeddings, target, "Q4_0")
+    before, after = _tensors(with_embeddings), _tensors(target)
+    assert {name: t.tensor_type for name, t in after.items()} == {
+        "blk.0.ffn_up.weight": Q.Q4_0, "blk.0.attn_q.weight": Q.Q4_0, "blk.0.attn_norm.weight": Q.F32,
+        "token_embd.weight": Q.Q8_0}
+    assert _fields(target)["general.file_type"] == 2  # MOSTLY_Q4_0
+    for name, tensor in after.items():
+        original = dequantize(before[name].data, before[name].tensor_type)
+        stored = dequantize(tensor.data, tensor.tensor_type)
+        levels, off = {Q.Q4_0: (8, 1.0), Q.Q8_0: (127, 0.5), Q.F32: (None, 0)}[tensor.tensor_type]
+        if levels is None:
+            np.testing.assert_array_equal(stored, original)
+            continue
+        step = np.abs(original.reshape(-1, 32)).max(axis=1, keepdims=True) / levels
+        error = np.abs(stored - original).reshape(-1, 32)
+        assert (error <= step * off * 1.01).all() and (error > 0).any(), name

@@ -18,15 +18,6 @@ from tests.support.q8 import int8_product
 needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler here: the fallback is tested below")
 
 
-@pytest.fixture
-def rebuilt(tmp_path, monkeypatch):
-    """``native.library()`` looked up afresh, building into an empty cache."""
-    monkeypatch.setattr("daemon.model.source.cache_dir", lambda: tmp_path / "models")
-    native.library.cache_clear()
-    yield tmp_path / "native"
-    native.library.cache_clear()
-
-
 @needs_library
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # 33, 1000, 8200: not a multiple of 32; 8200: rows long enough to be taken four at a time

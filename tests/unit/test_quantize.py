@@ -1,4 +1,4 @@
-"""Weight-only int8: two int8 shards emit the tokens of one whole model with the same int8 layers.
+"""Weight-only int8 (and int4): two quantized shards emit the tokens of one whole model with the same layers.
 
 The reference is transformers' own ``generate`` on the whole model after ``quantize_layers`` on its
 decoder layers; the shards quantize their own layers after loading. Both go cached (prefill, then
@@ -33,6 +33,7 @@ GREEDY = Sampling()
 # bytes per output row besides its int8 weights: a bfloat16 scale (int8); a float32 scale and an int8
 # zero point (torchao's Int8Tensor keeps a zero point even when symmetric)
 ROW_OVERHEAD = {"int8": 2, "int8-torchao": 4 + 1}
+INT8_METHODS = tuple(ROW_OVERHEAD)
 
 
 def whole_model_tokens(folder, method: str, prompt: list[int]) -> tuple[list[int], list[int]]:
@@ -70,12 +71,14 @@ def shard_tokens(head: ModelShard, tail: ModelShard, prompt: list[int]) -> list[
 
 
 def expected_layer_bytes(float_layer: nn.Module, method: str) -> int:
-    """What a float layer holds once ``method`` quantized it: int8 weights plus per-row scale bytes
-    for every ``nn.Linear`` (biases and everything else as loaded)."""
+    """What a float layer holds once ``method`` quantized it: int8 weights plus per-row scale bytes for every
+    ``nn.Linear`` (int4: half a byte a weight plus a float16 scale per 32), biases and everything else as loaded."""
     total = 0
     for module in float_layer.modules():
         for name, param in module.named_parameters(recurse=False):
-            if isinstance(module, nn.Linear) and name == "weight":
+            if isinstance(module, nn.Linear) and name == "weight" and method == "int4":
+                total += param.numel() // 2 + param.numel() // 32 * 2
+            elif isinstance(module, nn.Linear) and name == "weight":
                 total += param.numel() + module.out_features * ROW_OVERHEAD[method]
             else:
                 total += param.numel() * param.element_size()
@@ -89,11 +92,11 @@ def assert_split_matches_whole(folder, split: int, n_layers: int, method: str, p
     tail = ModelShard(folder, split, n_layers, head=False, sessions=SessionCacheStore(), quantize=method)
     assert head.loaded_bytes()["layers"] == sum(layer_bytes[:split])
     assert tail.loaded_bytes()["layers"] == sum(layer_bytes[split:])
-    # embeddings stay float; the int8 method's tail has an int8 LM head (its own copy where it was tied) and lets
-    # go of the embeddings it loaded to tie it
+    # embeddings stay float; the int8 and int4 methods' tail has an int8 LM head (its own copy where it was tied)
+    # and lets go of the embeddings it loaded to tie it
     assert type(head.model.model.embed_tokens.weight.data) is torch.Tensor
     lm_head, vocab, hidden = tail.model.lm_head, head.info.vocab_size, head.info.hidden_size
-    if method == "int8":
+    if method in ("int8", "int4"):
         assert type(lm_head) is Int8WeightLinear and lm_head.weight_int8.shape == (vocab, hidden)
         assert tail.loaded_bytes()["final_norm_and_lm_head"] == vocab * (hidden + 2) + hidden * 4
         assert tail.model.model.embed_tokens.weight.device.type == "meta"
@@ -118,7 +121,7 @@ def test_builtin_model_int8_shards_match_int8_generate(default_model, method):
     assert_split_matches_whole(default_model, 15, 30, method, list(prompt))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", INT8_METHODS)
 def test_int8_layers_hold_a_quarter_of_float32_bytes(default_model, method):
     """Layers 3-4 of the built-in model: per layer, 3,538,944 int8 weights in 7 projections of 5,184 rows
     in all, plus two float32 norms (4,608 B): 3,553,920 B for int8 (bfloat16 scales), 3,569,472 B for
@@ -138,7 +141,7 @@ def test_int8_layers_hold_a_quarter_of_float32_bytes(default_model, method):
 DEQUANTIZED_TOLERANCE = {"int8": 1e-2, "int8-torchao": 1e-5}
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", INT8_METHODS)
 def test_int8_linear_computes_with_its_int8_weights(method):
     """A quantized linear (with a bias, over a few tokens and over many) computes with torchao's per-row int8
     weights."""
@@ -188,8 +191,8 @@ def test_int8_multiplies_a_decode_steps_rows_natively_and_a_prompt_with_pytorchs
 
 def test_unknown_method_is_refused_in_one_line(default_model):
     with pytest.raises(ModelUnavailable) as refused:
-        ModelShard(default_model, 0, 1, head=False, kv_cache=False, quantize="int4")
-    assert str(refused.value) == "unknown quantization 'int4': choose one of int8, int8-torchao"
+        ModelShard(default_model, 0, 1, head=False, kv_cache=False, quantize="int3")
+    assert str(refused.value) == "unknown quantization 'int3': choose one of int8, int8-torchao, int4"
 
 
 @pytest.mark.parametrize("method", METHODS)

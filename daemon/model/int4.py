@@ -1,0 +1,115 @@
+"""Weight-only 4-bit for a node's own decoder layers: llama.cpp's Q4_0 format, an eighth of float32's bytes and a bit.
+
+Each weight row is held as blocks of 32 values ``d * (q - 8)``, ``q`` in 0..15, with one float16 scale ``d`` per
+block: 4.5 bits a value, the bytes of llama.cpp's Q4_0. A block's ``d`` is its value of largest magnitude over -8,
+so that value is held exactly (as ``q = 0``) and the rest round to the nearest step, as llama.cpp's own quantizer
+does. The LM head is quantized to int8 (:mod:`daemon.model.quantize`), as llama.cpp's Q4_0 files keep theirs in a
+wider format.
+
+A decode step's rows (up to :data:`~daemon.model.native.MAX_ROWS`) are multiplied by the native kernel
+(``meshnet_gemv_q4`` in ``gemv.c``): each row quantized to int8 in blocks of 64 as for int8 weights, exact integer
+sums per block, each scaled in float32. Longer products (prompts) turn the weights back into the activations'
+dtype a few megabytes of rows at a time (exactly, in float32) and multiply them with torch's own kernel; so do
+machines without the native library, where the unpacking runs in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from daemon.model import native
+
+BLOCK = 32  # values per float16 scale
+RUN = 128  # values per 64 bytes: byte j holds value j (low half) and j + 64 (high half); then runs of 64 and 32
+CHUNK_BYTES = 16 << 20  # a prompt's product dequantizes at most this many bytes of weights at a time
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [out, in]`` (``in`` a multiple of 32) as 4-bit values packed two to a byte ``[out, in / 2]`` uint8
+    and float16 scales ``[out, in / 32]``."""
+    rows, columns = weight.shape
+    if columns % BLOCK:
+        raise ValueError(f"4-bit rows are whole blocks of {BLOCK} values, not {columns}")
+    blocks = weight.detach().to(torch.float32).reshape(rows, columns // BLOCK, BLOCK)
+    top = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # each block's value of largest magnitude
+    scale = (top / -8).to(torch.float16)
+    step = scale.to(torch.float32)
+    inverse = torch.where(step != 0, 1 / step, torch.zeros_like(step))
+    q = (blocks * inverse).round_().clamp_(-8, 7).add_(8).to(torch.uint8).reshape(rows, columns)
+    return pack(q), scale.reshape(rows, columns // BLOCK).contiguous()
+
+
+def _runs(columns: int) -> list[tuple[int, int, int]]:
+    """A row's runs: ``(first value, run length, how many such runs)``: runs of 128 while they fit, then 64, then 32."""
+    runs, start = [], 0
+    for size in (RUN, RUN // 2, RUN // 4):
+        count = (columns - start) // size
+        if count:
+            runs.append((start, size, count))
+            start += size * count
+    return runs
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """Values ``q [out, in]`` in 0..15 two to a byte: byte j of a run holds its value j and j + half its length."""
+    rows = q.shape[0]
+    parts = []
+    for start, size, count in _runs(q.shape[1]):
+        halves = q[:, start:start + size * count].reshape(rows, count, 2, size // 2)
+        parts.append((halves[:, :, 0] | halves[:, :, 1] << 4).reshape(rows, -1))
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def unpack(packed: torch.Tensor, columns: int) -> torch.Tensor:
+    """The values ``q [out, in]`` (uint8, 0..15) that :func:`pack` packed."""
+    rows = packed.shape[0]
+    parts = []
+    for start, size, count in _runs(columns):
+        run = packed[:, start // 2:(start + size * count) // 2].reshape(rows, count, size // 2)
+        parts.append(torch.stack((run & 15, run >> 4), dim=2).reshape(rows, size * count))
+    return torch.cat(parts, dim=1)
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weights ``d * (q - 8)`` of rows ``packed`` in ``dtype``, by torch alone (exact in float32)."""
+    q = unpack(packed, columns).to(torch.float32).sub_(8).reshape(packed.shape[0], -1, BLOCK)
+    return (q * scale.to(torch.float32)[..., None]).reshape(packed.shape[0], columns).to(dtype)
+
+
+class Int4WeightLinear(nn.Module):
+    """An ``nn.Linear`` with 4-bit weights in blocks of 32 (Q4_0's format): a decode step's few rows by the native
+    kernel, more (a prompt) by torch's own product over the weights dequantized a few rows at a time.
+
+    The weight is ``weight_q4`` (uint8, two values a byte), not ``weight``: code that reads ``proj.weight.dtype``
+    to cast activations fails loudly instead of casting them to uint8.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed, scale = quantize(linear.weight)
+        self.weight_q4 = nn.Parameter(packed, requires_grad=False)  # [out, in / 2] uint8
+        self.scale = nn.Parameter(scale, requires_grad=False)  # [out, in / 32] float16
+        self.bias = linear.bias
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        native_here = self.weight_q4.device.type == "cpu" and native.library() is not None
+        if native_here and hidden.numel() <= native.MAX_ROWS * self.in_features:  # a decode step
+            return native.gemv_q4(hidden, self.weight_q4, self.scale, self.in_features, self.bias)
+        rows = hidden.reshape(-1, self.in_features)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=hidden.dtype, device=hidden.device)
+        step = max(1, CHUNK_BYTES // (self.in_features * hidden.element_size()))
+        for first in range(0, self.out_features, step):
+            last = min(first + step, self.out_features)
+            if native_here:
+                weight = native.dequantize_q4(self.weight_q4, self.scale, self.in_features, first, last, hidden.dtype)
+            else:
+                weight = dequantize(self.weight_q4[first:last], self.scale[first:last], self.in_features, hidden.dtype)
+            out[:, first:last] = F.linear(rows, weight)
+        out = out.reshape(*hidden.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

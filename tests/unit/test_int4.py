@@ -1,0 +1,143 @@
+"""4-bit weights (``daemon.model.int4``): Q4_0's format, its products by the native kernel as defined, a prompt's by
+torch over the dequantized weights (the native decode steps over 4-bit layers: tests/unit/test_decode.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from daemon.errors import ModelUnavailable
+from daemon.model import int4, native
+from daemon.model.footprint import Precision, read_footprint
+from daemon.model.quantize import Int8WeightLinear, parameter_bytes, quantize_layers
+from daemon.model.shard import ModelShard
+from tests.support.q8 import quantized_rows
+
+needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler here: no native kernels")
+WIDTHS = (32, 64, 96, 128, 160, 192, 576, 1536)  # runs of 128, 64 and 32 in every combination
+
+
+@pytest.mark.parametrize("columns", WIDTHS)
+def test_values_pack_two_to_a_byte_and_come_back(columns):
+    torch.manual_seed(columns)
+    q = torch.randint(0, 16, (3, columns), dtype=torch.uint8)
+    packed = int4.pack(q)
+    assert packed.shape == (3, columns // 2) and packed.dtype == torch.uint8
+    assert torch.equal(int4.unpack(packed, columns), q)
+    # byte j of the first run holds value j and value j + half the run
+    half = 64 if columns >= 128 else 32 if columns >= 64 else 16
+    assert torch.equal(packed[:, :half], q[:, :half] | q[:, half:2 * half] << 4)
+
+
+def test_quantize_holds_each_blocks_largest_magnitude_exactly_and_the_rest_within_a_step():
+    torch.manual_seed(0)
+    weight = torch.randn(8, 96)
+    weight[1, :32] = 0  # a block of zeros: scale 0, every value 8
+    weight[2, 32] = -40.0  # a block's largest magnitude is negative: it is -8 steps
+    weight[3, 64] = 40.0  # and positive: -8 steps of a negative scale
+    packed, scale = int4.quantize(weight)
+    assert scale.dtype == torch.float16 and scale.shape == (8, 3)
+    values = int4.dequantize(packed, scale, 96, torch.float32)
+    blocks = weight.reshape(8, 3, 32)
+    top = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+    step = (top / 8).abs()
+    assert torch.equal(int4.unpack(packed, 96)[1, :32], torch.full((32,), 8, dtype=torch.uint8))
+    assert values[2, 32] == -40.0 and values[3, 64] == 40.0
+    error = (values.reshape(8, 3, 32) - blocks).abs()
+    assert (error <= step * 1.001 + 1e-6).all()  # a value of the other sign beyond 7 steps clips to 7
+    assert (error <= step * 0.5 * 1.01 + 1e-6).float().mean() > 0.95  # the rest round to the nearest step
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        int4.quantize(torch.randn(4, 48))
+
+
+def int4_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, columns: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the native product defines, in float64: each input row quantized as for int8 weights, times the 4-bit
+    weights d * (q - 8)."""
+    weights = int4.dequantize(packed, scale, columns, torch.float32).double()
+    return F.linear(quantized_rows(x), weights, bias.double() if bias is not None else None)
+
+
+def assert_products_as_defined(dtype):
+    torch.manual_seed(3)
+    for out_features, in_features in ((300, 576), (64, 1536), (5, 96), (33, 160), (7, 32)):
+        packed, scale = int4.quantize(torch.randn(out_features, in_features))
+        bias = torch.randn(out_features)
+        x = torch.randn(4, in_features).to(dtype)
+        x[1, :32] = 0
+        want = int4_product(x, packed, scale, in_features, bias)
+        got = native.gemv_q4(x, packed, scale, in_features, bias)
+        assert got.dtype == dtype and got.shape == (4, out_features)
+        bound = 2e-6 if dtype == torch.float32 else 2 ** -8  # float32 sums of exact block sums; a bfloat16 output
+        assert (got.double() - want).abs().max() <= bound * want.abs().max(), (out_features, in_features)
+        alone = torch.cat([native.gemv_q4(x[m:m + 1], packed, scale, in_features, bias) for m in range(4)])
+        assert torch.equal(got, alone)
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_products_are_as_defined_and_the_same_alone_or_together(dtype):
+    assert_products_as_defined(dtype)
+
+
+@needs_library
+def test_native_products_without_avx512_vnni_are_the_same_products(rebuilt, monkeypatch):
+    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-mno-avx512f"))
+    assert native.library() is not None
+    assert_products_as_defined(torch.float32)
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_dequantization_is_torchs_bit_for_bit(dtype):
+    torch.manual_seed(4)
+    packed, scale = int4.quantize(torch.randn(70, 608))
+    assert torch.equal(native.dequantize_q4(packed, scale, 608, 0, 70, dtype),
+                       int4.dequantize(packed, scale, 608, dtype))
+    assert torch.equal(native.dequantize_q4(packed, scale, 608, 20, 33, dtype),
+                       int4.dequantize(packed[20:33], scale[20:33], 608, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_multiplies_the_dequantized_weights_with_or_without_the_library(dtype, monkeypatch):
+    """17 rows or more: torch's product over the weights dequantized a chunk of rows at a time (chunks made small
+    here), the same with the native dequantization as with torch's; up to 16 rows: the native product."""
+    torch.manual_seed(5)
+    linear = int4.Int4WeightLinear(nn.Linear(256, 384).to(dtype))
+    monkeypatch.setattr(int4, "CHUNK_BYTES", 100 * 256 * 4)  # four chunks of 100 rows or fewer
+    prompt = torch.randn(1, 40, 256).to(dtype)
+    weights = int4.dequantize(linear.weight_q4, linear.scale, 256, dtype)
+    with torch.inference_mode():
+        got = linear(prompt)
+        assert got.dtype == dtype and got.shape == (1, 40, 384)
+        want = F.linear(prompt, weights, linear.bias)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max() if dtype == torch.float32 else \
+            (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+        if native.library() is not None:
+            rows = prompt[:, :16]
+            assert torch.equal(linear(rows), native.gemv_q4(rows, linear.weight_q4, linear.scale, 256, linear.bias))
+            monkeypatch.setattr(native, "library", lambda: None)
+            assert torch.equal(linear(prompt), got)
+
+
+def test_layers_hold_q4_0s_bytes_and_the_head_is_int8(default_model):
+    """Layers 3-4 of the built-in model: 3,538,944 weights a layer at 4.5 bits (1,990,656 B) plus two float32 norms
+    (4,608 B), against 14,160,384 B in float32; the footprint counts the same; the tail's LM head is int8."""
+    shard = ModelShard(default_model, 3, 5, head=False, kv_cache=False, quantize="int4")
+    assert shard.loaded_bytes()["layers"] == 2 * (1_990_656 + 4_608)
+    assert read_footprint(str(default_model)).layer_bytes(Precision("float32", "int4"))[3:5] == [1_995_264] * 2
+    assert isinstance(shard.model.model.layers[3].mlp.down_proj, int4.Int4WeightLinear)
+    tail = ModelShard(default_model, 29, 30, head=False, kv_cache=False, quantize="int4")
+    assert type(tail.model.lm_head) is Int8WeightLinear
+    footprint = read_footprint(str(default_model)).weights_bytes(29, 30, Precision("float32", "int4"))
+    assert footprint["final_norm_and_lm_head"] == tail.loaded_bytes()["final_norm_and_lm_head"]
+
+
+def test_rows_of_odd_widths_are_refused_before_anything_changes():
+    layers = [nn.Sequential(nn.Linear(64, 64), nn.Linear(48, 64))]
+    with pytest.raises(ModelUnavailable, match=r"^int4 weights take rows of whole blocks of 32, and 1 \(48 inputs\)"):
+        quantize_layers(layers, "int4")
+    assert type(layers[0][0]) is nn.Linear and parameter_bytes(layers, set()) == (64 * 64 + 64 + 48 * 64 + 64) * 4
+
