@@ -151,7 +151,8 @@ def _generate(request: dict) -> dict:
     return {"prefill_ms": (times[1] - times[0]) * 1000.0,
             "decode_tps": (len(ids) - 1) / decode_s if decode_s > 0 else None,
             "step_ms": [(b - a) * 1000.0 for a, b in zip(times[1:], times[2:])],
-            "token_ids": ids, "llama_cpp_version": __version__, "extra_bufts": extra_bufts}
+            "token_ids": ids, "llama_cpp_version": __version__, "extra_bufts": extra_bufts,
+            "system_info": bindings.llama_print_system_info().decode(errors="replace").strip()}
 
 
 if __name__ == "__main__":

@@ -219,11 +219,17 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
         if precision in QUANTIZED:
             llama_files["source"] = args.gguf
     llama_threads: dict[int, int] = {}  # new tokens -> the thread count of the fastest same-precision run
+    llama_builds: set[str] = set()
     ids = prompt_ids(folder) if llama_files else []
 
     def run_llama(file_kind: str, tokens: int, threads: int) -> dict:
         say(f"llama.cpp on {llama_files[file_kind].name}, {threads} thread(s), {tokens} tokens")
-        return llama_cpp.measure(llama_files[file_kind], ids, tokens, threads)
+        result = llama_cpp.measure(llama_files[file_kind], ids, tokens, threads)
+        build = f"llama.cpp {result.get('llama_cpp_version', '?')}: {result.get('system_info', '?')}"
+        if build not in llama_builds:  # what that build runs with here (its SIMD, AMX, repacking), said once
+            llama_builds.add(build)
+            say(build)
+        return result
 
     def measure_llama(tokens: int) -> None:
         if not llama_files or tokens in llama_threads:

@@ -201,7 +201,7 @@ def _extra_node(plan: MeshPlan, needed: int) -> int | None:
 
 
 def _alternatives(plan: MeshPlan) -> list[Alternative]:
-    """bfloat16, int8, or both, where the plan's own precision does not fit."""
+    """bfloat16, int8, both, or int4, where the plan's own precision does not fit."""
     precision = plan.precision
     candidates = []
     if precision.dtype == "float32":
@@ -210,6 +210,8 @@ def _alternatives(plan: MeshPlan) -> list[Alternative]:
         candidates.append(Precision(precision.dtype, "int8"))
         if precision.dtype == "float32":
             candidates.append(Precision("bfloat16", "int8"))
+    if precision.quantize != "int4":
+        candidates.append(Precision(precision.dtype, "int4"))
     found = []
     for candidate in candidates:
         other = plan_mesh(plan.footprint, plan.memories, candidate, context=plan.context, reserve=plan.reserve,

@@ -107,7 +107,7 @@ class MeshView(VerticalScroll):
             return [label, state, "", "", "", "", "", "", ""]
         cache = ("on" if status.kv_cache_enabled else "off") if status.supports_kv_cache else "n/a"
         load = _load(status) if node.up else ""
-        runs = " ".join(w for w in (DTYPE_SHORT.get(status.dtype, status.dtype), status.quantize and "int8",
+        runs = " ".join(w for w in (DTYPE_SHORT.get(status.dtype, status.dtype), status.quantize,
                                     status.device) if w)
         peak = status.memory.peak_rss_bytes
         return [label, state, status.layers, " ".join(status.roles),

@@ -206,24 +206,25 @@ def test_bfloat16_nodes_hold_half_the_bytes_and_say_so(two_bfloat16_nodes, refer
 
 
 @pytest.mark.slow
-def test_two_node_int8_mesh_matches_the_whole_int8_model(default_model, reference_tokens_in, reference_model,
-                                                         tmp_path):
+@pytest.mark.parametrize("method, dtype, share", [("int8", "bfloat16", (0.25, 0.26)),
+                                                  ("int4", "float32", (0.14, 0.142))])
+def test_two_node_quantized_mesh_matches_the_whole_quantized_model(default_model, reference_tokens_in,
+                                                                   reference_model, tmp_path, method, dtype, share):
     """Each node quantizes its own layers after loading: together they emit what one process gives with the
-    same quantization applied to the whole model, and hold a quarter of their layers' float32 bytes. (The tail's
-    LM head stays bfloat16: without plans, as generate multiplies it.)"""
-    int8 = ["--quantize", "int8", "--tune-kernels", "off"]
-    mesh = start_mesh(default_model, [("0-14", int8), ("15-29", int8)],
-                      log_dir=tmp_path, dtype="bfloat16")
+    same quantization applied to the whole model, and hold their share of their layers' float32 bytes: int8
+    values and a bfloat16 scale per row; 4-bit values and a float16 scale per 32 (and the norms). (The tail's
+    LM head is int8 in both.)"""
+    flags = ["--quantize", method, "--tune-kernels", "off"]
+    mesh = start_mesh(default_model, [("0-14", flags), ("15-29", flags)], log_dir=tmp_path, dtype=dtype)
     try:
         body = chat(mesh[0], PROMPTS[1], max_tokens=48)
-        assert body["meshnet"]["token_ids"] == reference_tokens_in("bfloat16", "int8")(PROMPTS[1], 48,
-                                                                                        ignore_eos=True)
+        assert body["meshnet"]["token_ids"] == reference_tokens_in(dtype, method)(PROMPTS[1], 48, ignore_eos=True)
         model, _ = reference_model
         float32_layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
         statuses = [d.get("/v1/status") for d in mesh]
-        assert [s["quantize"] for s in statuses] == ["int8", "int8"]
+        assert [s["quantize"] for s in statuses] == [method, method]
         layer_bytes = sum(s["weights_bytes"]["layers"] for s in statuses)
-        assert 0.25 <= layer_bytes / float32_layer_bytes < 0.26  # int8 values, a bfloat16 scale per row, norms
+        assert share[0] <= layer_bytes / float32_layer_bytes < share[1]
     finally:
         for d in mesh:
             d.stop()

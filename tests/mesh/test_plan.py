@@ -52,7 +52,7 @@ def test_sizes_in_binary_and_decimal_units(text, expected):
     (["--node", "0GiB"], 2, "more than 0 bytes"),
     (["--node", "lots"], 2, "'lots' is not a size"),
     (["--node", "8GiB", "--dtype", "int4"], 2, "--dtype"),
-    (["--node", "8GiB", "--quantize", "int4"], 2, "--quantize"),
+    (["--node", "8GiB", "--quantize", "int3"], 2, "--quantize"),
     (["--node", "8GiB", "--context", "0"], 2, "--context"),
     (["--node", "8GiB", "--reserve", "half"], 2, "--reserve"),
     ([], 2, "--node SIZE"),
@@ -217,7 +217,7 @@ def test_a_model_that_does_not_fit_says_by_how_much_and_what_would():
     assert not plan_mesh(footprint, [6_000_000, 4_000_000, extra - GIB], Precision(), context=64,
                          reserve=100_000).fits
     by_precision = {str(a.precision): a for a in plan.alternatives}
-    assert set(by_precision) == {"bfloat16", "float32 + int8", "bfloat16 + int8"}
+    assert set(by_precision) == {"bfloat16", "float32 + int8", "bfloat16 + int8", "float32 + int4"}
     for alternative in plan.alternatives:
         again = plan_mesh(footprint, [6_000_000, 4_000_000], alternative.precision, context=64, reserve=100_000)
         assert (again.fits, again.sessions) == (alternative.fits, alternative.sessions)
@@ -352,14 +352,14 @@ def test_builtin_model_int8_tail_matches_a_real_shard(default_model):
 
 @pytest.mark.parametrize("arch", [pytest.param(a, marks=() if a == "llama" else pytest.mark.slow)
                                   for a in ("llama", "qwen3_moe", "qwen3_next")])
-def test_int8_counts_the_linear_weights_of_the_loaded_layers(tiny_model, arch):
+def test_quantized_counts_are_the_linear_weights_of_the_loaded_layers(tiny_model, arch):
     import torch
 
     from daemon.model.quantize import parameter_bytes
     from daemon.model.shard import ModelShard
 
     folder = tiny_model(arch)
-    for method in ("int8", "int8-torchao"):  # against the bytes real quantized shards hold, layer by layer
+    for method in ("int8", "int8-torchao", "int4"):  # against the bytes real quantized shards hold, layer by layer
         shard = ModelShard(folder, 0, 4, head=False, dtype=torch.bfloat16, quantize=method)
         assert read_footprint(str(folder)).layer_bytes(Precision("bfloat16", method)) == [
             parameter_bytes([layer], set()) for layer in shard.model.model.layers]

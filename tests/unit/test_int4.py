@@ -141,3 +141,19 @@ def test_rows_of_odd_widths_are_refused_before_anything_changes():
         quantize_layers(layers, "int4")
     assert type(layers[0][0]) is nn.Linear and parameter_bytes(layers, set()) == (64 * 64 + 64 + 48 * 64 + 64) * 4
 
+
+
+def test_a_q4_0_files_weights_come_through_unchanged():
+    """A GGUF's Q4_0 matrices load dequantized; quantized again they are the very same values and scales (each
+    block's largest magnitude is -8 of its steps in Q4_0 as here), so a Q4_0 file loses nothing more as int4."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(6)
+    weights = rng.standard_normal((24, 576)).astype(np.float32)
+    weights[3, :32] = 0
+    loaded = torch.from_numpy(dequantize(quantize(weights, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0))
+    packed, scale = int4.quantize(loaded)
+    assert torch.equal(int4.dequantize(packed, scale, 576, torch.float32), loaded)
+    assert not torch.equal(loaded, torch.from_numpy(weights))
