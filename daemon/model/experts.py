@@ -45,6 +45,7 @@ def _known_layout(experts: torch.nn.Module) -> bool:
     """Experts kept as ``grouped_mm`` keeps Qwen-style ones: one ``[experts, 2 * intermediate, hidden]`` gate/up
     tensor (gate then up), ``[experts, hidden, intermediate]`` down, no biases, no norm after each expert."""
     return (getattr(experts, "has_gate", False) and getattr(experts, "is_concatenated", False)
+            and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)  # not quantized to int4
             and not experts.has_bias and not experts.is_transposed and not experts.has_post_expert_norm
             and not experts._is_expert_parallel)
 

@@ -60,23 +60,26 @@ class PartValues:
     plain: int = 0  # values held in the chosen dtype
     linear: int = 0  # values of nn.Linear weights: the chosen dtype, or 1 byte each in int8 (half in int4)
     linear_rows: int = 0  # output channels of those weights: one int8 scale each
+    experts: int = 0  # values of fused MoE experts (a layout int4 quantizes): the chosen dtype, or int4
     fixed_values: int = 0  # values of parameters the model keeps in their own dtype whatever is asked
     fixed_bytes: int = 0  # and their bytes
 
     @property
     def values(self) -> int:
-        return self.plain + self.linear + self.fixed_values
+        return self.plain + self.linear + self.experts + self.fixed_values
 
     def nbytes(self, precision: Precision, *, quantizable: bool = False) -> int:
         """Bytes held in ``precision``; ``quantizable``: this part is a decoder layer (int8 applies)."""
         size = precision.value_bytes
-        if quantizable and precision.quantize == "int4":
+        int4 = quantizable and precision.quantize == "int4"
+        experts = self.experts // 2 + self.experts // INT4_BLOCK * 2 if int4 else self.experts * size
+        if int4:
             linear = self.linear // 2 + self.linear // INT4_BLOCK * 2
         elif quantizable and precision.quantize is not None:
             linear = self.linear + self.linear_rows * INT8_ROW_BYTES[precision.quantize]
         else:
             linear = self.linear * size
-        return self.plain * size + linear + self.fixed_bytes
+        return self.plain * size + linear + experts + self.fixed_bytes
 
 
 @dataclass(frozen=True)
@@ -307,16 +310,23 @@ def _saved_dtype(config) -> str | None:
 def _count_module(module) -> PartValues:
     import torch
 
+    from daemon.model.experts import _known_layout
+    from daemon.model.int4 import EXPERT_STACKS
+
     linear_weights = {id(m.weight): m.weight.shape[0] for m in module.modules() if isinstance(m, torch.nn.Linear)}
-    plain = linear = rows = fixed = fixed_bytes = 0
+    expert_stacks = {id(getattr(m, name)) for m in module.modules() if _known_layout(m) for name in EXPERT_STACKS}
+    plain = linear = rows = experts = fixed = fixed_bytes = 0
     for p in module.parameters():  # each shared parameter once
         if p.dtype != torch.bfloat16:
             fixed, fixed_bytes = fixed + p.numel(), fixed_bytes + p.numel() * p.element_size()
         elif id(p) in linear_weights:
             linear, rows = linear + p.numel(), rows + linear_weights[id(p)]
+        elif id(p) in expert_stacks:
+            experts += p.numel()
         else:
             plain += p.numel()
-    return PartValues(plain=plain, linear=linear, linear_rows=rows, fixed_values=fixed, fixed_bytes=fixed_bytes)
+    return PartValues(plain=plain, linear=linear, linear_rows=rows, experts=experts, fixed_values=fixed,
+                      fixed_bytes=fixed_bytes)
 
 
 def _layer_caches(text) -> tuple[tuple[LayerCache, ...] | None, str | None]:

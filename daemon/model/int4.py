@@ -4,7 +4,8 @@ Each weight row is held as blocks of 32 values ``d * (q - 8)``, ``q`` in 0..15, 
 block: 4.5 bits a value, the bytes of llama.cpp's Q4_0. A block's ``d`` is its value of largest magnitude over -8,
 so that value is held exactly (as ``q = 0``) and the rest round to the nearest step, as llama.cpp's own quantizer
 does. The LM head is quantized to int8 (:mod:`daemon.model.quantize`), as llama.cpp's Q4_0 files keep theirs in a
-wider format.
+wider format. A mixture-of-experts layer's fused experts (in the layout :mod:`daemon.model.experts` knows) are
+quantized too, expert by expert (:func:`quantize_experts`): in such models they are most of the bytes.
 
 A decode step's rows (up to :data:`~daemon.model.native.MAX_ROWS`) are multiplied by the native kernel
 (``meshnet_gemv_q4`` in ``gemv.c``): each row quantized to int8 in blocks of 64 as for int8 weights, exact integer
@@ -14,6 +15,8 @@ machines without the native library, where the unpacking runs in torch.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
@@ -95,21 +98,71 @@ class Int4WeightLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        native_here = self.weight_q4.device.type == "cpu" and native.library() is not None
-        if native_here and hidden.numel() <= native.MAX_ROWS * self.in_features:  # a decode step
-            return native.gemv_q4(hidden, self.weight_q4, self.scale, self.in_features, self.bias)
-        rows = hidden.reshape(-1, self.in_features)
-        out = torch.empty(rows.shape[0], self.out_features, dtype=hidden.dtype, device=hidden.device)
-        step = max(1, CHUNK_BYTES // (self.in_features * hidden.element_size()))
-        for first in range(0, self.out_features, step):
-            last = min(first + step, self.out_features)
-            if native_here:
-                weight = native.dequantize_q4(self.weight_q4, self.scale, self.in_features, first, last, hidden.dtype)
-            else:
-                weight = dequantize(self.weight_q4[first:last], self.scale[first:last], self.in_features, hidden.dtype)
-            out[:, first:last] = F.linear(rows, weight)
-        out = out.reshape(*hidden.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+        return linear(hidden, self.weight_q4, self.scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """``x [..., in]`` by the 4-bit matrix ``packed [out, in / 2]`` with ``scale [out, in / 32]``: up to
+    :data:`~daemon.model.native.MAX_ROWS` rows natively (a decode step), more by torch over the weights
+    dequantized :data:`CHUNK_BYTES` at a time (natively where the library is built)."""
+    columns, out_features = packed.shape[1] * 2, packed.shape[0]
+    native_here = packed.device.type == "cpu" and native.library() is not None
+    if native_here and x.numel() <= native.MAX_ROWS * columns:
+        return native.gemv_q4(x, packed, scale, columns, bias)
+    rows = x.reshape(-1, columns)
+    out = torch.empty(rows.shape[0], out_features, dtype=x.dtype, device=x.device)
+    step = max(1, CHUNK_BYTES // (columns * x.element_size()))
+    for first in range(0, out_features, step):
+        last = min(first + step, out_features)
+        if native_here:
+            weight = native.dequantize_q4(packed, scale, columns, first, last, x.dtype)
+        else:
+            weight = dequantize(packed[first:last], scale[first:last], columns, x.dtype)
+        out[:, first:last] = F.linear(rows, weight)
+    out = out.reshape(*x.shape[:-1], out_features)
+    return out if bias is None else out + bias
+
+
+EXPERT_STACKS = ("gate_up_proj", "down_proj")
+
+
+def quantize_experts(experts: nn.Module) -> None:
+    """Replace a fused experts module's ``gate_up_proj [experts, 2 * intermediate, hidden]`` and ``down_proj
+    [experts, hidden, intermediate]`` by 4-bit stacks (``<name>_q4``, ``<name>_scale``), quantized one expert at a
+    time (never a float32 copy of a whole stack), and multiply through them (:func:`experts_forward`)."""
+    for name in EXPERT_STACKS:
+        stack = getattr(experts, name).detach()
+        count, rows, columns = stack.shape
+        if columns % BLOCK:
+            raise ValueError(f"4-bit rows are whole blocks of {BLOCK} values, not {columns}")
+        packed = torch.empty(count, rows, columns // 2, dtype=torch.uint8, device=stack.device)
+        scale = torch.empty(count, rows, columns // BLOCK, dtype=torch.float16, device=stack.device)
+        for expert in range(count):
+            packed[expert], scale[expert] = quantize(stack[expert])
+        delattr(experts, name)
+        del stack
+        experts.register_parameter(f"{name}_q4", nn.Parameter(packed, requires_grad=False))
+        experts.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+    experts.forward = types.MethodType(experts_forward, experts)
+
+
+def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' output for ``hidden_states [tokens, hidden]`` routed to ``top_k_index`` with ``top_k_weights``
+    (``[tokens, top_k]``), over 4-bit stacks: each selected expert's tokens by its gate/up matrix, the model's own
+    gate, its down matrix; each pair's output times its routing weight, summed over a token's pairs."""
+    tokens, top_k = top_k_index.shape
+    pairs_of: dict[int, list[int]] = {}  # expert -> its pairs (token * top_k + slot), in order
+    for pair, expert in enumerate(top_k_index.reshape(-1).tolist()):
+        pairs_of.setdefault(expert, []).append(pair)
+    out = torch.empty(tokens * top_k, hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
+    for expert, pairs in pairs_of.items():
+        x = hidden_states[[pair // top_k for pair in pairs]]
+        h = self._apply_gate(linear(x, self.gate_up_proj_q4[expert], self.gate_up_proj_scale[expert]))
+        out[pairs] = linear(h, self.down_proj_q4[expert], self.down_proj_scale[expert])
+    weighted = out * top_k_weights.reshape(-1).unsqueeze(-1)
+    return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)

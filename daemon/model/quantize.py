@@ -90,16 +90,7 @@ def quantize_layers(layers: list[nn.Module], method: str) -> None:
     weight = linears[0][0].get_submodule(linears[0][1]).weight
     check_quantization(method, weight.dtype, weight.device)
     if method == "int4":
-        from daemon.model.int4 import BLOCK, Int4WeightLinear
-
-        odd = next((f"{name} ({layer.get_submodule(name).in_features} inputs)" for layer, name in linears
-                    if layer.get_submodule(name).in_features % BLOCK), None)
-        if odd is not None:
-            raise ModelUnavailable(f"int4 weights take rows of whole blocks of {BLOCK}, and {odd} is not: use int8")
-        for layer, name in linears:
-            parent_name, _, attribute = name.rpartition(".")
-            parent = layer.get_submodule(parent_name)
-            setattr(parent, attribute, Int4WeightLinear(getattr(parent, attribute)))
+        _quantize_int4(layers, linears)
         return
     _import_torchao()
     if method == "int8-torchao":
@@ -114,6 +105,29 @@ def quantize_layers(layers: list[nn.Module], method: str) -> None:
         parent_name, _, attribute = name.rpartition(".")
         parent = layer.get_submodule(parent_name)
         setattr(parent, attribute, Int8WeightLinear(getattr(parent, attribute)))
+
+
+def _quantize_int4(layers: list[nn.Module], linears: list[tuple[nn.Module, str]]) -> None:
+    """int4 (:mod:`daemon.model.int4`): every ``nn.Linear``, and the fused experts of a layout
+    :mod:`daemon.model.experts` knows; refused in one line, before anything changes, where a row is not whole
+    blocks of 32."""
+    from daemon.model.experts import _known_layout
+    from daemon.model.int4 import BLOCK, EXPERT_STACKS, Int4WeightLinear, quantize_experts
+
+    experts = [(layer, name) for layer in layers for name, m in layer.named_modules() if _known_layout(m)]
+    widths = [(name, layer.get_submodule(name).in_features) for layer, name in linears]
+    widths += [(f"{name}.{stack}", getattr(layer.get_submodule(name), stack).shape[-1])
+               for layer, name in experts for stack in EXPERT_STACKS]
+    odd = next(((what, width) for what, width in widths if width % BLOCK), None)
+    if odd is not None:
+        raise ModelUnavailable(f"int4 weights take rows of whole blocks of {BLOCK}, and {odd[0]} ({odd[1]} inputs) "
+                               "is not: use int8")
+    for layer, name in linears:
+        parent_name, _, attribute = name.rpartition(".")
+        parent = layer.get_submodule(parent_name)
+        setattr(parent, attribute, Int4WeightLinear(getattr(parent, attribute)))
+    for layer, name in experts:
+        quantize_experts(layer.get_submodule(name))
 
 
 def _import_torchao() -> None:

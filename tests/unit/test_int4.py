@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from daemon.errors import ModelUnavailable
+from daemon.kvstore import SessionCacheStore
 from daemon.model import int4, native
 from daemon.model.footprint import Precision, read_footprint
 from daemon.model.quantize import Int8WeightLinear, parameter_bytes, quantize_layers
@@ -157,3 +158,42 @@ def test_a_q4_0_files_weights_come_through_unchanged():
     packed, scale = int4.quantize(loaded)
     assert torch.equal(int4.dequantize(packed, scale, 576, torch.float32), loaded)
     assert not torch.equal(loaded, torch.from_numpy(weights))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
+def test_moe_shards_with_int4_experts_match_the_whole_int4_model(tiny_model, arch):
+    """A mixture-of-experts model's fused experts are quantized too, expert by expert: two int4 shards emit the
+    tokens transformers' generate gives on the whole model quantized the same way, hold the 4-bit stacks' bytes
+    (as the footprint counts them), and answer as the float experts would, within 4-bit rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from daemon.model.quantize import quantize_model
+    from tests.unit.test_quantize import NEW_TOKENS, TINY_PROMPT, shard_tokens
+
+    folder = tiny_model(arch)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    quantize_model(model, "int4")
+    layers = list(model.model.layers)
+    quantized = [m for layer in layers for m in layer.modules() if hasattr(m, "gate_up_proj_q4")]
+    assert quantized and not any(hasattr(m, "gate_up_proj") for m in quantized)
+    ids = torch.tensor([TINY_PROMPT])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=model.config.eos_token_id)
+    expected = out[0, len(TINY_PROMPT):].tolist()
+    total = model.config.get_text_config().num_hidden_layers
+    head = ModelShard(folder, 0, 2, sessions=SessionCacheStore(), quantize="int4")
+    tail = ModelShard(folder, 2, total, head=False, sessions=SessionCacheStore(), quantize="int4")
+    assert shard_tokens(head, tail, TINY_PROMPT) == expected
+    counted = read_footprint(str(folder)).layer_bytes(Precision("float32", "int4"))
+    assert [parameter_bytes([layer], set()) for layer in layers] == counted
+    float_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    experts = next(m for m in float_model.model.layers.modules() if hasattr(m, "gate_up_proj"))
+    index = experts.gate_up_proj.shape[0] - 1
+    x = torch.randn(3, experts.gate_up_proj.shape[-1])
+    routes, weights = torch.tensor([[0, index]] * 3), torch.full((3, 2), 0.5)
+    with torch.inference_mode():
+        want = experts(x, routes, weights)
+        int4.quantize_experts(experts)
+        got = experts(x, routes, weights)
+    assert 0 < (got - want).norm() / want.norm() < 0.2
