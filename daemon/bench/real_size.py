@@ -107,17 +107,35 @@ def build(shape: Shape, folder: Path, tokenizer_from: Path) -> dict:
     return record
 
 
+def quantized_active_bytes(shape: Shape, folder: Path, quantize: str) -> int:
+    """The bytes one decode step reads from ``folder``'s weights quantized with ``quantize`` (bfloat16 compute), as
+    sizing counts a node's weights (:mod:`daemon.model.footprint`): its layers but only the routed share of their
+    fused experts, the final norm and LM head, one row of the embedding."""
+    from daemon.model.footprint import INT4_BLOCK, Precision, read_footprint
+
+    footprint = read_footprint(str(folder))
+    precision = Precision("bfloat16", quantize)
+    parts = footprint.weights_bytes(0, footprint.num_layers, precision)
+    experts = sum(layer.experts for layer in footprint.layers)
+    expert_bytes = experts // 2 + experts // INT4_BLOCK * 2 if quantize == "int4" else experts * 2
+    routed = shape.config.get("num_experts_per_tok", 0) / max(shape.config.get("num_experts", 0) or 1, 1)
+    return (parts["layers"] - round(expert_bytes * (1 - routed)) + parts["final_norm_and_lm_head"]
+            + parts["embeddings"] // 49152)
+
+
 def measure(shape: Shape, record: dict, folder: Path, tokens: int, threads: int | None,
-            bandwidth_threads: int, rounds: int = 3) -> dict:
-    """One ``meshd`` with every layer of ``folder`` in bfloat16: its decode steps against the floor, and its peak
-    resident set against its weights.
+            bandwidth_threads: int, rounds: int = 3, quantize: str | None = None) -> dict:
+    """One ``meshd`` with every layer of ``folder`` in bfloat16 (its layers quantized with ``quantize`` if given):
+    its decode steps against the floor, and its peak resident set against its weights.
 
     A shared host's read rate moves by as much as 2x from one minute to the next, so the step and the floor are
     measured side by side: ``rounds`` times, the machine's bandwidth (on ``bandwidth_threads``, the node idle), a
     generation of ``tokens``, the bandwidth again. Each round's floor is the active bytes at the faster of its two
     readings; the row's ratio is the median of the rounds' ratios (floor over the round's median step)."""
-    mesh = Mesh(f"real size, {shape.name}", [(f"0-{shape.config['num_hidden_layers'] - 1}", [])], str(folder),
-                threads, node_args=["--dtype", "bfloat16"])
+    name = shape.name + (f" {quantize}" if quantize else "")
+    active = quantized_active_bytes(shape, folder, quantize) if quantize else record["active_bytes"]
+    mesh = Mesh(f"real size, {name}", [(f"0-{shape.config['num_hidden_layers'] - 1}", [])], str(folder),
+                threads, node_args=["--dtype", "bfloat16", *(["--quantize", quantize] if quantize else [])])
     steps: list[float] = []
     readings: list[list[float]] = []
     ratios: list[float] = []
@@ -129,15 +147,15 @@ def measure(shape: Shape, record: dict, folder: Path, tokens: int, threads: int 
             after = read_bandwidth(bandwidth_threads)
             readings.append([before, after])
             steps.extend(result["step_ms"])
-            ratios.append(record["active_bytes"] / max(before, after) * 1000.0 / statistics.median(result["step_ms"]))
+            ratios.append(active / max(before, after) * 1000.0 / statistics.median(result["step_ms"]))
         node = mesh.memory()[0]
     finally:
         mesh.stop()
     middle = sorted(range(rounds), key=lambda r: ratios[r])[rounds // 2]  # the round whose ratio is the median
     bandwidth = max(readings[middle])
-    return {"shape": shape.name, "about": shape.about, "weights_bytes": record["weights_bytes"],
-            "active_bytes": record["active_bytes"], "bandwidth_bytes_per_s": bandwidth,
-            "bandwidth_readings": readings, "floor_ms": record["active_bytes"] / bandwidth * 1000.0,
+    return {"shape": name, "about": shape.about, "quantize": quantize, "weights_bytes": node["weights_bytes"]
+            if quantize else record["weights_bytes"], "active_bytes": active, "bandwidth_bytes_per_s": bandwidth,
+            "bandwidth_readings": readings, "floor_ms": active / bandwidth * 1000.0,
             "step_ms_median": statistics.median(steps), "step_ms_best": min(steps), "of_floor": ratios[middle],
             "of_floor_rounds": ratios, "decode_tps": result["decode_tps"], "peak_rss_bytes": node["peak_rss_bytes"],
             "node_weights_bytes": node["weights_bytes"],

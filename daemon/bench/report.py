@@ -224,13 +224,14 @@ def _print_shapes(shapes: Sequence[dict]) -> None:
     if not shapes:
         return
     print()
-    print("real layer sizes, random weights, one meshd in bfloat16: its decode step against the read-bandwidth "
+    print("real layer sizes, random weights, one meshd in bfloat16 (a row named int4 or int8: its layers so): its "
+          "decode step against the read-bandwidth "
           "floor (the active weights' bytes at the faster of the machine's read rates just before and after each of "
           "3 runs; the median round's ratio, rate and floor)")
-    print(f"{'shape':<12} {'weights MiB':>11} {'active MiB':>10} {'GB/s':>5} {'floor ms':>8} {'step ms':>7} "
+    print(f"{'shape':<16} {'weights MiB':>11} {'active MiB':>10} {'GB/s':>5} {'floor ms':>8} {'step ms':>7} "
           f"{'best ms':>7} {'of floor':>8} {'peak MiB':>8} {'peak/weights':>12} {'load':>5}  what")
     for s in shapes:
-        print(f"{s['shape']:<12} {s['weights_bytes'] / 2**20:>11.0f} {s['active_bytes'] / 2**20:>10.0f} "
+        print(f"{s['shape']:<16} {s['weights_bytes'] / 2**20:>11.0f} {s['active_bytes'] / 2**20:>10.0f} "
               f"{s['bandwidth_bytes_per_s'] / 1e9:>5.1f} {s['floor_ms']:>8.1f} {s['step_ms_median']:>7.1f} "
               f"{s['step_ms_best']:>7.1f} {s['of_floor']:>8.2f} "
               f"{_fmt(s['peak_rss_bytes'] and s['peak_rss_bytes'] / 2**20, '.0f', 8)} "

@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the real-size models (default all; written once into the meshnet cache, "
                         "2.6 and 3.8 GB)")
     parser.add_argument("--shape-tokens", type=int, default=32, help="new tokens per real-size run (default 32)")
+    parser.add_argument("--shape-quantize", choices=("int8", "int4"), help="real-size setup: each shape once more "
+                        "with its layers quantized so (bfloat16 compute), against the floor of the bytes that reads")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=["auto"],
                         help="compute dtypes to measure, each against generate in the same dtype (default auto: "
                         "what meshd runs in on this machine); int8, int4: quantized weights in float32, against "
@@ -329,11 +331,14 @@ def _measure_real_size(args, cores: int) -> list[dict]:
         shape = real_size.SHAPES[name]
         folder = cache_dir() / "bench" / "shapes" / name
         record = real_size.build(shape, folder, tokenizer_from)
-        say(f"{name}: the machine's read bandwidth on {cores} thread(s) around each of 3 runs of decode steps")
-        rows.append(real_size.measure(shape, record, folder, args.shape_tokens, args.threads, cores))
-        say("read bandwidth: " + "; ".join(", ".join(f"{b / 1e9:.1f}" for b in pair)
-                                           for pair in rows[-1]["bandwidth_readings"]) + " GB/s; of the floor: "
-            + " ".join(f"{r:.2f}" for r in rows[-1]["of_floor_rounds"]))
+        for quantize in (None, args.shape_quantize) if args.shape_quantize else (None,):
+            say(f"{name}{f' {quantize}' if quantize else ''}: the machine's read bandwidth on {cores} thread(s) "
+                "around each of 3 runs of decode steps")
+            rows.append(real_size.measure(shape, record, folder, args.shape_tokens, args.threads, cores,
+                                          quantize=quantize))
+            say("read bandwidth: " + "; ".join(", ".join(f"{b / 1e9:.1f}" for b in pair)
+                                               for pair in rows[-1]["bandwidth_readings"]) + " GB/s; of the floor: "
+                + " ".join(f"{r:.2f}" for r in rows[-1]["of_floor_rounds"]))
     return rows
 
 
