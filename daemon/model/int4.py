@@ -31,11 +31,22 @@ CHUNK_BYTES = 16 << 20  # a prompt's product dequantizes at most this many bytes
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [out, in]`` (``in`` a multiple of 32) as 4-bit values packed two to a byte ``[out, in / 2]`` uint8
-    and float16 scales ``[out, in / 32]``."""
+    and float16 scales ``[out, in / 32]``, a few megabytes of rows at a time (a whole matrix's float32 temporaries
+    would be several times its bytes)."""
     rows, columns = weight.shape
     if columns % BLOCK:
         raise ValueError(f"4-bit rows are whole blocks of {BLOCK} values, not {columns}")
-    blocks = weight.detach().to(torch.float32).reshape(rows, columns // BLOCK, BLOCK)
+    packed = torch.empty(rows, columns // 2, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(rows, columns // BLOCK, dtype=torch.float16, device=weight.device)
+    step = max(1, CHUNK_BYTES // (columns * 4))
+    for first in range(0, rows, step):
+        packed[first:first + step], scale[first:first + step] = _quantize_rows(weight[first:first + step].detach())
+    return packed, scale
+
+
+def _quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, columns = weight.shape
+    blocks = weight.to(torch.float32).reshape(rows, columns // BLOCK, BLOCK)
     top = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))  # each block's value of largest magnitude
     scale = (top / -8).to(torch.float16)
     step = scale.to(torch.float32)

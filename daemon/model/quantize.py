@@ -154,9 +154,16 @@ class Int8WeightLinear(nn.Module):
 
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        quantized = Int8Tensor.from_hp(linear.weight.detach(), PerRow())  # symmetric, float32 scales
-        self.weight_int8 = nn.Parameter(quantized.qdata.contiguous(), requires_grad=False)  # [out, in] int8
-        self.scale = nn.Parameter(quantized.scale.flatten().to(KERNEL_DTYPE), requires_grad=False)  # [out]
+        weight = linear.weight.detach()
+        qdata = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+        scale = torch.empty(weight.shape[0], dtype=KERNEL_DTYPE, device=weight.device)
+        step = max(1, (16 << 20) // (self.in_features * 4))  # rows at a time (each its own scale): few MB of scratch
+        for first in range(0, weight.shape[0], step):
+            quantized = Int8Tensor.from_hp(weight[first:first + step], PerRow())  # symmetric, float32 scales
+            qdata[first:first + step] = quantized.qdata
+            scale[first:first + step] = quantized.scale.flatten().to(KERNEL_DTYPE)
+        self.weight_int8 = nn.Parameter(qdata, requires_grad=False)  # [out, in] int8
+        self.scale = nn.Parameter(scale, requires_grad=False)  # [out]
         self.bias = linear.bias
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -197,3 +197,20 @@ def test_moe_shards_with_int4_experts_match_the_whole_int4_model(tiny_model, arc
         int4.quantize_experts(experts)
         got = experts(x, routes, weights)
     assert 0 < (got - want).norm() / want.norm() < 0.2
+
+
+def test_quantizing_a_few_rows_at_a_time_changes_nothing(monkeypatch):
+    """Both quantizers go a few megabytes of rows at a time (their float32 scratch of a whole LM head would be
+    gigabytes): the same values and scales as in one piece."""
+    from torchao.quantization import Int8Tensor, PerRow
+
+    torch.manual_seed(7)
+    weight = torch.randn(100, 96).to(torch.bfloat16)
+    whole = int4.quantize(weight)
+    monkeypatch.setattr(int4, "CHUNK_BYTES", 7 * 96 * 4)  # 7 rows at a time, the last chunk short
+    assert all(torch.equal(a, b) for a, b in zip(int4.quantize(weight), whole))
+    linear = nn.Linear(96, 100000, bias=False).to(torch.bfloat16)  # longer than one chunk of int8 rows
+    reference = Int8Tensor.from_hp(linear.weight.detach(), PerRow())
+    chunked = Int8WeightLinear(linear)
+    assert torch.equal(chunked.weight_int8, reference.qdata)
+    assert torch.equal(chunked.scale, reference.scale.flatten().to(torch.bfloat16))
