@@ -345,7 +345,9 @@ static inline float dot_q4(const uint8_t *restrict w, const uint16_t *restrict d
     __m512 a[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     long k = 0;
     for (; k + 128 <= n; k += 128) {
-        PREFETCH(w + k / 2);
+        /* 2 KiB ahead, not 1: a run of 4-bit weights is 64 bytes of more work than bfloat16's 128; on the Xeon
+         * three alternations of each gave 4-12% more on 1024x2048, 8192x2048 and 2048x4096 (4 KiB: no more) */
+        __builtin_prefetch(w + k / 2 + 2048, 0, 3);
         q4_run(w, d, x, k, a);
     }
     if (k + 64 <= n) a[0] = q4_run64(w, d, x, k, a[0]), k += 64;
