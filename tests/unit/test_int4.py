@@ -1,5 +1,6 @@
 """4-bit weights (``daemon.model.int4``): Q4_0's format, its products by the native kernel as defined, a prompt's by
-torch over the dequantized weights (the native decode steps over 4-bit layers: tests/unit/test_decode.py)."""
+torch over the dequantized weights (the native decode steps over 4-bit layers: tests/unit/test_decode.py; the products
+built without AVX-512: tests/unit/test_native.py)."""
 
 from __future__ import annotations
 
@@ -81,13 +82,6 @@ def assert_products_as_defined(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_products_are_as_defined_and_the_same_alone_or_together(dtype):
     assert_products_as_defined(dtype)
-
-
-@needs_library
-def test_native_products_without_avx512_vnni_are_the_same_products(rebuilt, monkeypatch):
-    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-mno-avx512f"))
-    assert native.library() is not None
-    assert_products_as_defined(torch.float32)
 
 
 @needs_library

@@ -101,11 +101,15 @@ def test_int8_weights_multiply_int8_inputs_as_defined(dtype):
 
 
 @needs_library
-def test_int8_products_without_avx512_vnni_are_the_same_products(rebuilt, monkeypatch):
-    """Machines without AVX-512 VNNI (or AVX-512) build the plain C sums of the same quantized products."""
+def test_quantized_products_without_avx512_vnni_are_the_same_products(rebuilt, monkeypatch):
+    """Machines without AVX-512 VNNI (or AVX-512) build the plain C sums of the same quantized products: int8 and
+    4-bit weights by int8 inputs."""
+    from tests.unit.test_int4 import assert_products_as_defined
+
     monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-mno-avx512f"))
     assert native.library() is not None
     assert_int8_products_as_defined(torch.float32)
+    assert_products_as_defined(torch.float32)
 
 
 @needs_library
