@@ -41,7 +41,7 @@ NAME = "meshnet_decode"  # the experts implementation's name in transformers' re
 MAX_PAIRS = 8
 
 
-def _known_layout(experts: torch.nn.Module) -> bool:
+def known_layout(experts: torch.nn.Module) -> bool:
     """Experts kept as ``grouped_mm`` keeps Qwen-style ones: one ``[experts, 2 * intermediate, hidden]`` gate/up
     tensor (gate then up), ``[experts, hidden, intermediate]`` down, no biases, no norm after each expert."""
     return (getattr(experts, "has_gate", False) and getattr(experts, "is_concatenated", False)
@@ -55,7 +55,7 @@ def decode_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, t
     """``grouped_mm_experts_forward``'s result for ``hidden_states [tokens, hidden]`` routed to ``top_k_index``
     with ``top_k_weights`` (both ``[tokens, top_k]``), one selected expert at a time."""
     tokens, top_k = top_k_index.shape
-    if tokens * top_k > MAX_PAIRS or not _known_layout(self):
+    if tokens * top_k > MAX_PAIRS or not known_layout(self):
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     pairs_of: dict[int, list[int]] = {}  # expert -> its pairs (token * top_k + slot), in order
     for pair, expert in enumerate(top_k_index.reshape(-1).tolist()):
@@ -117,7 +117,7 @@ def plan_experts(modules, *, max_rows: int, store=None) -> dict[tuple, Plan]:
     that :func:`decode_experts_forward` runs, and per router weight shape of the routers it knows
     (:data:`ROUTER_CLASSES`), for products of up to ``max_rows`` rows, and attach it to them. Returns the plans by
     ``(out, in, dtype)``."""
-    experts = [m for m in modules if _known_layout(m) and getattr(m.config, "_experts_implementation", None) == NAME
+    experts = [m for m in modules if known_layout(m) and getattr(m.config, "_experts_implementation", None) == NAME
                and m.gate_up_proj.device.type == "cpu" and plannable_dtype(m.gate_up_proj.dtype)]
     weights: dict[tuple, list[torch.Tensor]] = {}
     for module in experts:

@@ -310,11 +310,11 @@ def _saved_dtype(config) -> str | None:
 def _count_module(module) -> PartValues:
     import torch
 
-    from daemon.model.experts import _known_layout
+    from daemon.model.experts import known_layout
     from daemon.model.int4 import EXPERT_STACKS
 
     linear_weights = {id(m.weight): m.weight.shape[0] for m in module.modules() if isinstance(m, torch.nn.Linear)}
-    expert_stacks = {id(getattr(m, name)) for m in module.modules() if _known_layout(m) for name in EXPERT_STACKS}
+    expert_stacks = {id(getattr(m, name)) for m in module.modules() if known_layout(m) for name in EXPERT_STACKS}
     plain = linear = rows = experts = fixed = fixed_bytes = 0
     for p in module.parameters():  # each shared parameter once
         if p.dtype != torch.bfloat16:

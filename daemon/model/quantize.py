@@ -1,8 +1,9 @@
-"""Weight-only int8 for a node's own decoder layers: a quarter of float32's bytes, half of bfloat16's.
+"""Weight-only int8 for a node's own decoder layers: a quarter of float32's bytes, half of bfloat16's (and the
+entry to ``int4``, llama.cpp's Q4_0 format, in :mod:`daemon.model.int4`).
 
 The ``nn.Linear`` modules inside the decoder layers are quantized, with one symmetric scale per output
 row, computed by torchao; with the ``int8`` method the tail's LM head too (:func:`quantize_head`), as
-llama.cpp's Q8_0 files hold theirs. Embeddings never are. Two methods:
+llama.cpp's Q8_0 files hold theirs. Embeddings never are. Two int8 methods:
 
 - ``int8``: a decode step's rows (up to 16: one session's, or a batch's) are multiplied by the native
   kernel (:mod:`daemon.model.native`): it quantizes each row to int8 in blocks of 64 values and sums
@@ -111,10 +112,10 @@ def _quantize_int4(layers: list[nn.Module], linears: list[tuple[nn.Module, str]]
     """int4 (:mod:`daemon.model.int4`): every ``nn.Linear``, and the fused experts of a layout
     :mod:`daemon.model.experts` knows; refused in one line, before anything changes, where a row is not whole
     blocks of 32."""
-    from daemon.model.experts import _known_layout
+    from daemon.model.experts import known_layout
     from daemon.model.int4 import BLOCK, EXPERT_STACKS, Int4WeightLinear, quantize_experts
 
-    experts = [(layer, name) for layer in layers for name, m in layer.named_modules() if _known_layout(m)]
+    experts = [(layer, name) for layer in layers for name, m in layer.named_modules() if known_layout(m)]
     widths = [(name, layer.get_submodule(name).in_features) for layer, name in linears]
     widths += [(f"{name}.{stack}", getattr(layer.get_submodule(name), stack).shape[-1])
                for layer, name in experts for stack in EXPERT_STACKS]
