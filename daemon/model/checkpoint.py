@@ -17,6 +17,7 @@ torch and transformers are imported inside the functions that use them: a safete
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -263,6 +264,8 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
                 if type(data) is torch.Tensor and in_file_mapping(
                         data.data_ptr(), data.numel() * data.element_size(), mappings):
                     parameter.data = data.clone()
+            if quantize:  # the float weights a quantizer replaced can sit in reference cycles until collected
+                gc.collect()
             return_freed_memory()  # what fusing and casting left in the C heap
     if "lm_head" in parts and model.lm_head.weight.device.type == "meta":
         # no LM head in the checkpoint: it is tied to the embeddings, even where a multimodal checkpoint's
@@ -272,6 +275,8 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
         model.lm_head.weight = model.model.embed_tokens.weight
     if "lm_head" in parts and quantize:
         quantize_head(model, quantize)
+        gc.collect()
+        return_freed_memory()
     _check_loaded(model, folder, parts, layers)
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from daemon.host import file_mappings, release_file_pages
 from daemon.model import native
 
 BLOCK = 32  # values per float16 scale
@@ -29,18 +30,24 @@ RUN = 128  # values per 64 bytes: byte j holds value j (low half) and j + 64 (hi
 CHUNK_BYTES = 16 << 20  # a prompt's product dequantizes at most this many bytes of weights at a time
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(weight: torch.Tensor, mappings: list[tuple[int, int]] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [out, in]`` (``in`` a multiple of 32) as 4-bit values packed two to a byte ``[out, in / 2]`` uint8
     and float16 scales ``[out, in / 32]``, a few megabytes of rows at a time (a whole matrix's float32 temporaries
-    would be several times its bytes)."""
+    would be several times its bytes). Rows read from a checkpoint's file mapping (``mappings``, this process's
+    own by default) leave the resident set once quantized: a node never holds a float matrix beside its copy."""
     rows, columns = weight.shape
     if columns % BLOCK:
         raise ValueError(f"4-bit rows are whole blocks of {BLOCK} values, not {columns}")
     packed = torch.empty(rows, columns // 2, dtype=torch.uint8, device=weight.device)
     scale = torch.empty(rows, columns // BLOCK, dtype=torch.float16, device=weight.device)
     step = max(1, CHUNK_BYTES // (columns * 4))
+    released = weight.device.type == "cpu" and weight.is_contiguous()
+    mappings = (file_mappings() if mappings is None else mappings) if released else []
     for first in range(0, rows, step):
-        packed[first:first + step], scale[first:first + step] = _quantize_rows(weight[first:first + step].detach())
+        part = weight[first:first + step].detach()
+        packed[first:first + step], scale[first:first + step] = _quantize_rows(part)
+        release_file_pages(part.data_ptr(), part.numel() * part.element_size(), mappings)
     return packed, scale
 
 
@@ -152,8 +159,8 @@ def quantize_experts(experts: nn.Module) -> None:
             raise ValueError(f"4-bit rows are whole blocks of {BLOCK} values, not {columns}")
         packed = torch.empty(count, rows, columns // 2, dtype=torch.uint8, device=stack.device)
         scale = torch.empty(count, rows, columns // BLOCK, dtype=torch.float16, device=stack.device)
-        for expert in range(count):
-            packed[expert], scale[expert] = quantize(stack[expert])
+        for expert in range(count):  # a fused stack is memory of its own, mapped from no file
+            packed[expert], scale[expert] = quantize(stack[expert], mappings=[])
         delattr(experts, name)
         del stack
         experts.register_parameter(f"{name}_q4", nn.Parameter(packed, requires_grad=False))

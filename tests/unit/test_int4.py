@@ -208,3 +208,4 @@ def test_quantizing_a_few_rows_at_a_time_changes_nothing(monkeypatch):
     chunked = Int8WeightLinear(linear)
     assert torch.equal(chunked.weight_int8, reference.qdata)
     assert torch.equal(chunked.scale, reference.scale.flatten().to(torch.bfloat16))
+
