@@ -57,17 +57,14 @@ def decode_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, t
     tokens, top_k = top_k_index.shape
     if tokens * top_k > MAX_PAIRS or not known_layout(self):
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    pairs_of: dict[int, list[int]] = {}  # expert -> its pairs (token * top_k + slot), in order
-    for pair, expert in enumerate(top_k_index.reshape(-1).tolist()):
-        pairs_of.setdefault(expert, []).append(pair)
+    pairs_of = pairs_by_expert(top_k_index)
     weight_dtype = self.gate_up_proj.dtype
     plans = getattr(self, "meshnet_plans", None)  # (gate/up, down), set by plan_experts
     if _all_native(self, plans, pairs_of):
         which = top_k_index.reshape(-1)
         x = hidden_states.to(weight_dtype).repeat_interleave(top_k, dim=0)  # pair p's row: its token's
         h = native.gemv_pairs(self._apply_gate(native.gemv_pairs(x, self.gate_up_proj, which)), self.down_proj, which)
-        weighted = h * top_k_weights.reshape(-1).unsqueeze(-1)
-        return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+        return weigh_pairs(h, top_k_weights, hidden_states.dtype)
     out = torch.empty(tokens * top_k, hidden_states.shape[-1], dtype=weight_dtype, device=hidden_states.device)
     for expert, pairs in pairs_of.items():
         if len(pairs) == 1:  # one token: rows by slicing, as the grouped product takes them
@@ -81,8 +78,23 @@ def decode_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, t
             out[pairs[0]:pairs[0] + 1] = h
         else:
             out[pairs] = h
-    weighted = out * top_k_weights.reshape(-1).unsqueeze(-1)  # the routing weight's dtype, as grouped_mm's
-    return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    return weigh_pairs(out, top_k_weights, hidden_states.dtype)
+
+
+def pairs_by_expert(top_k_index: torch.Tensor) -> dict[int, list[int]]:
+    """Each expert a step routes to, with its (token, expert) pairs ``token * top_k + slot`` in order."""
+    pairs_of: dict[int, list[int]] = {}
+    for pair, expert in enumerate(top_k_index.reshape(-1).tolist()):
+        pairs_of.setdefault(expert, []).append(pair)
+    return pairs_of
+
+
+def weigh_pairs(out: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each pair's output row ``out [tokens * top_k, hidden]`` times its routing weight (in the weight's dtype,
+    as ``grouped_mm``'s), summed over a token's pairs in order, in ``dtype``."""
+    tokens, top_k = top_k_weights.shape
+    weighted = out * top_k_weights.reshape(-1).unsqueeze(-1)
+    return weighted.view(tokens, top_k, -1).sum(dim=1).to(dtype)
 
 
 def _all_native(experts: torch.nn.Module, plans: tuple[Plan, Plan] | None, pairs_of: dict[int, list[int]]) -> bool:

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from daemon.host import file_mappings, release_file_pages
 from daemon.model import native
+from daemon.model.experts import pairs_by_expert, weigh_pairs
 
 BLOCK = 32  # values per float16 scale
 RUN = 128  # values per 64 bytes: byte j holds value j (low half) and j + 64 (high half); then runs of 64 and 32
@@ -174,13 +175,10 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     (``[tokens, top_k]``), over 4-bit stacks: each selected expert's tokens by its gate/up matrix, the model's own
     gate, its down matrix; each pair's output times its routing weight, summed over a token's pairs."""
     tokens, top_k = top_k_index.shape
-    pairs_of: dict[int, list[int]] = {}  # expert -> its pairs (token * top_k + slot), in order
-    for pair, expert in enumerate(top_k_index.reshape(-1).tolist()):
-        pairs_of.setdefault(expert, []).append(pair)
+    pairs_of = pairs_by_expert(top_k_index)
     out = torch.empty(tokens * top_k, hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
     for expert, pairs in pairs_of.items():
         x = hidden_states[[pair // top_k for pair in pairs]]
         h = self._apply_gate(linear(x, self.gate_up_proj_q4[expert], self.gate_up_proj_scale[expert]))
         out[pairs] = linear(h, self.down_proj_q4[expert], self.down_proj_scale[expert])
-    weighted = out * top_k_weights.reshape(-1).unsqueeze(-1)
-    return weighted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    return weigh_pairs(out, top_k_weights, hidden_states.dtype)

@@ -191,7 +191,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` by ``gemv.c`` (the caller has checked :func:`supports` and :func:`library`)."""
     lib = library()
-    x, bias, y, rows = _rows_by(x, weight, bias)
+    x, bias, y, rows = _rows_by(x, bias, *weight.shape)
     work = scratch(rows * weight.shape[1]) if x.dtype != torch.float32 else None  # bfloat16 rows as float32
     lib.gemv(weight.data_ptr(), x.data_ptr(), _pointer(bias), y.data_ptr(), rows, *weight.shape, _DTYPES[x.dtype],
              work)
@@ -243,7 +243,7 @@ def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: 
     if (x.dtype not in _DTYPES or weight.dtype != torch.int8 or scale.dtype != torch.bfloat16
             or not weight.is_contiguous() or not scale.is_contiguous() or x.numel() > MAX_ROWS * weight.shape[1]):
         raise ValueError("gemv_int8 takes float32 or bfloat16 rows by a contiguous int8 matrix with bfloat16 scales")
-    x, bias, y, rows = _rows_by(x, weight, bias)
+    x, bias, y, rows = _rows_by(x, bias, *weight.shape)
     work = scratch(rows * lib.q8_floats(weight.shape[1]))  # each row quantized
     lib.gemv_int8(weight.data_ptr(), scale.data_ptr(), x.data_ptr(), _pointer(bias), y.data_ptr(), rows,
                   *weight.shape, _DTYPES[x.dtype], work)
@@ -262,11 +262,7 @@ def gemv_q4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, columns:
             or not packed.is_contiguous() or not scale.is_contiguous() or x.shape[-1] != columns
             or x.numel() > MAX_ROWS * columns):
         raise ValueError("gemv_q4 takes float32 or bfloat16 rows by a contiguous 4-bit matrix with float16 scales")
-    x = x.contiguous()
-    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
-        bias = bias.to(x.dtype).contiguous()
-    y = torch.empty(*x.shape[:-1], packed.shape[0], dtype=x.dtype)
-    rows = x.numel() // columns
+    x, bias, y, rows = _rows_by(x, bias, packed.shape[0], columns)
     lib.gemv_q4(packed.data_ptr(), scale.data_ptr(), x.data_ptr(), _pointer(bias), y.data_ptr(), rows,
                 packed.shape[0], columns, _DTYPES[x.dtype], scratch(rows * lib.q8_floats(columns)))
     return y
@@ -283,14 +279,14 @@ def dequantize_q4(packed: torch.Tensor, scale: torch.Tensor, columns: int, first
     return y
 
 
-def _rows_by(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """What a product of ``x`` by ``weight [out, in]`` passes the library: ``x`` contiguous, the bias contiguous in
-    ``x``'s dtype, the output to fill, and the row count."""
+def _rows_by(x: torch.Tensor, bias: torch.Tensor | None, out_features: int, in_features: int):
+    """What a product of ``x`` by a matrix of ``out_features`` rows of ``in_features`` weights passes the library:
+    ``x`` contiguous, the bias contiguous in ``x``'s dtype, the output to fill, and the row count."""
     x = x.contiguous()
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         bias = bias.to(x.dtype).contiguous()
-    y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
-    return x, bias, y, x.numel() // weight.shape[1]
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    return x, bias, y, x.numel() // in_features
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

@@ -103,10 +103,15 @@ def quantize_layers(layers: list[nn.Module], method: str) -> None:
         for layer in layers:
             quantize_(layer, config)
         return
+    _replace_linears(linears, Int8WeightLinear)
+
+
+def _replace_linears(linears: list[tuple[nn.Module, str]], quantized: type[nn.Module]) -> None:
+    """Put ``quantized(linear)`` in place of each ``nn.Linear`` named in ``linears`` (layer, its name there)."""
     for layer, name in linears:
         parent_name, _, attribute = name.rpartition(".")
         parent = layer.get_submodule(parent_name)
-        setattr(parent, attribute, Int8WeightLinear(getattr(parent, attribute)))
+        setattr(parent, attribute, quantized(getattr(parent, attribute)))
 
 
 def _quantize_int4(layers: list[nn.Module], linears: list[tuple[nn.Module, str]]) -> None:
@@ -124,10 +129,7 @@ def _quantize_int4(layers: list[nn.Module], linears: list[tuple[nn.Module, str]]
     if odd is not None:
         raise ModelUnavailable(f"int4 weights take rows of whole blocks of {BLOCK}, and {odd[0]} ({odd[1]} inputs) "
                                "is not: use int8")
-    for layer, name in linears:
-        parent_name, _, attribute = name.rpartition(".")
-        parent = layer.get_submodule(parent_name)
-        setattr(parent, attribute, Int4WeightLinear(getattr(parent, attribute)))
+    _replace_linears(linears, Int4WeightLinear)
     for layer, name in experts:
         quantize_experts(layer.get_submodule(name))
 
