@@ -232,8 +232,10 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
                 groups.setdefault(layer.group(1) if layer else part, {}).setdefault(file, []).append(key)
     config = LoadStateDictConfig(
         dtype=dtype,
-        # experts are stacked straight into their fused tensor (daemon.model.fusing), not stacked then joined
-        weight_mapping=[fuse_in_place(t) for t in get_model_conversion_mapping(model, TEXT_MODEL_RENAMING, None)],
+        # experts are stacked straight into their fused tensor (daemon.model.fusing), not stacked then joined; in
+        # 4 bits they are quantized as they are stacked
+        weight_mapping=[fuse_in_place(t, quantize)
+                        for t in get_model_conversion_mapping(model, TEXT_MODEL_RENAMING, None)],
         device_map={"": str(device)},
     )
     # A layer at a time, from files mapped for it alone, quantized as soon as it is in: a mapped file's pages

@@ -10,6 +10,11 @@ A checkpoint of a few large MoE layers then peaks near twice its weights.
 :func:`fuse_in_place` swaps that pair (or a lone ``MergeModulelist``) for :class:`StackExperts`, which makes the
 fused tensor once and copies each expert's matrix into its place, letting go of the file pages it came from
 as it goes: a layer loads in its own bytes plus one expert's.
+
+A node loading its layers in 4 bits (``--quantize int4``) has :class:`StackExperts` quantize each expert as it
+comes (:mod:`daemon.model.int4`) into the experts module's 4-bit stacks: a layer's float experts are never held
+whole, only one expert's matrix at a time. A Qwen3.5-MoE-shaped layer's fused bfloat16 experts are 1.5 GiB, more
+than three times their 4-bit bytes.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ class StackExperts(ConversionOps):
     """``MergeModulelist(dim=0)``, then ``Concatenate(dim=concat_dim)`` when given, in one pass: the same tensor,
     each source pattern's experts in order along ``concat_dim``."""
 
-    def __init__(self, concat_dim: int | None = None):
+    def __init__(self, concat_dim: int | None = None, quantize: str | None = None):
         self.concat_dim = concat_dim
+        self.quantize = quantize  # "int4": experts of a layout int4 takes go straight into 4-bit stacks
 
     @torch.no_grad()
     def convert(self, input_dict: dict[str, list[torch.Tensor]], source_patterns: list[str],
@@ -47,8 +53,16 @@ class StackExperts(ConversionOps):
         sizes = [tensors[0].shape[axis] for tensors in lists]
         shape = list(first.shape)
         shape[axis] = sum(sizes)
-        fused = torch.empty((experts, *shape), dtype=first.dtype, device=first.device)
         mappings = file_mappings() if first.device.type == "cpu" else []
+        target = self._quantized_target(kwargs.get("model"), kwargs.get("full_layer_name"), shape)
+        if target is not None:
+            from daemon.model import int4
+
+            module, name = target
+            matrices = _expert_matrices(lists, axis, mappings)
+            int4.install_stack(module, name, *int4.quantize_stack(matrices, experts, *shape, first.device))
+            return {}  # nothing left for the loader to set: the module holds the 4-bit stack in its place
+        fused = torch.empty((experts, *shape), dtype=first.dtype, device=first.device)
         offset = 0
         for tensors, size in zip(lists, sizes):
             for expert in range(experts):
@@ -60,10 +74,40 @@ class StackExperts(ConversionOps):
             offset += size
         return {target_patterns[0]: fused}
 
+    def _quantized_target(self, model, full_name: str | None, shape: list[int]):
+        """``(experts module, stack name)`` where this stack is to be quantized as it is made: int4 wanted, the
+        target a stack of an experts module int4 takes (:func:`daemon.model.experts.known_layout`), its rows whole
+        blocks; else None (the float stack is made, and the layer's quantizer judges it)."""
+        if self.quantize != "int4" or model is None or not full_name:
+            return None
+        from daemon.model import int4
+        from daemon.model.experts import known_layout
 
-def fuse_in_place(transform):
+        module_name, _, name = full_name.rpartition(".")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            return None
+        if name not in int4.EXPERT_STACKS or not known_layout(module) or shape[-1] % int4.BLOCK:
+            return None
+        return module, name
+
+
+def _expert_matrices(lists: list[list[torch.Tensor | None]], axis: int, mappings):
+    """Each expert's matrix in turn, its sources joined along ``axis``; the file pages a matrix came from leave
+    the resident set once the next is asked for."""
+    for expert in range(len(lists[0])):
+        sources = [tensors[expert] for tensors in lists]
+        yield sources[0] if len(sources) == 1 else torch.cat(sources, dim=axis)
+        for tensors, source in zip(lists, sources):
+            if mappings:
+                release_file_pages(source.data_ptr(), source.numel() * source.element_size(), mappings)
+            tensors[expert] = None
+
+
+def fuse_in_place(transform, quantize: str | None = None):
     """``transform`` (one entry of a model's weight conversion mapping) with its expert stacking done by
-    :class:`StackExperts`; any other transform as it is."""
+    :class:`StackExperts` (which quantizes as it stacks for ``quantize`` "int4"); any other transform as it is."""
     if not isinstance(transform, WeightConverter):
         return transform
     ops = transform.operations
@@ -75,5 +119,5 @@ def fuse_in_place(transform):
     if type(ops[0]) is not MergeModulelist or ops[0].dim != 0 or len(transform.target_patterns) != 1:
         return transform
     fused = copy.copy(transform)
-    fused.operations = [StackExperts(concat_dim)]
+    fused.operations = [StackExperts(concat_dim, quantize)]
     return fused

@@ -28,7 +28,8 @@ from daemon.model.experts import pairs_by_expert, weigh_pairs
 
 BLOCK = 32  # values per float16 scale
 RUN = 128  # values per 64 bytes: byte j holds value j (low half) and j + 64 (high half); then runs of 64 and 32
-CHUNK_BYTES = 16 << 20  # a prompt's product dequantizes at most this many bytes of weights at a time
+CHUNK_BYTES = 16 << 20  # a prompt's product dequantizes at most this many bytes of weights at a time; a quantizer
+# takes as many bytes of float32 rows at a time
 
 
 def quantize(weight: torch.Tensor, mappings: list[tuple[int, int]] | None = None
@@ -152,20 +153,36 @@ EXPERT_STACKS = ("gate_up_proj", "down_proj")
 def quantize_experts(experts: nn.Module) -> None:
     """Replace a fused experts module's ``gate_up_proj [experts, 2 * intermediate, hidden]`` and ``down_proj
     [experts, hidden, intermediate]`` by 4-bit stacks (``<name>_q4``, ``<name>_scale``), quantized one expert at a
-    time (never a float32 copy of a whole stack), and multiply through them (:func:`experts_forward`)."""
+    time (never a float32 copy of a whole stack), and multiply through them (:func:`experts_forward`). A node
+    loading a checkpoint quantizes its experts as it fuses them instead (:mod:`daemon.model.fusing`)."""
     for name in EXPERT_STACKS:
         stack = getattr(experts, name).detach()
-        count, rows, columns = stack.shape
-        if columns % BLOCK:
-            raise ValueError(f"4-bit rows are whole blocks of {BLOCK} values, not {columns}")
-        packed = torch.empty(count, rows, columns // 2, dtype=torch.uint8, device=stack.device)
-        scale = torch.empty(count, rows, columns // BLOCK, dtype=torch.float16, device=stack.device)
-        for expert in range(count):  # a fused stack is memory of its own, mapped from no file
-            packed[expert], scale[expert] = quantize(stack[expert], mappings=[])
-        delattr(experts, name)
+        # a fused stack is memory of its own, mapped from no file
+        packed, scale = quantize_stack((stack[expert] for expert in range(len(stack))), *stack.shape, stack.device)
         del stack
-        experts.register_parameter(f"{name}_q4", nn.Parameter(packed, requires_grad=False))
-        experts.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+        install_stack(experts, name, packed, scale)
+
+
+def quantize_stack(matrices, count: int, rows: int, columns: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` expert matrices ``[rows, columns]``, given one at a time by ``matrices``, as one 4-bit stack:
+    packed values ``[count, rows, columns / 2]`` and float16 scales ``[count, rows, columns / 32]``."""
+    if columns % BLOCK:
+        raise ValueError(f"4-bit rows are whole blocks of {BLOCK} values, not {columns}")
+    packed = torch.empty(count, rows, columns // 2, dtype=torch.uint8, device=device)
+    scale = torch.empty(count, rows, columns // BLOCK, dtype=torch.float16, device=device)
+    for expert, matrix in enumerate(matrices):
+        packed[expert], scale[expert] = quantize(matrix, mappings=[])
+    return packed, scale
+
+
+def install_stack(experts: nn.Module, name: str, packed: torch.Tensor, scale: torch.Tensor) -> None:
+    """Hold the experts' stack ``name`` (``gate_up_proj`` or ``down_proj``) as ``packed`` and ``scale`` from
+    :func:`quantize_stack`, in place of its float tensor, and multiply through the 4-bit stacks."""
+    if name in experts._parameters:
+        delattr(experts, name)
+    experts.register_parameter(f"{name}_q4", nn.Parameter(packed, requires_grad=False))
+    experts.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
     experts.forward = types.MethodType(experts_forward, experts)
 
 
