@@ -511,6 +511,30 @@ void meshnet_gemv_q4(const uint8_t *w, const uint16_t *scale, const void *x, con
     rows_by(W_Q4, w, scale, x, bias, y, rows, out, in, dtype, scratch);
 }
 
+/* y[p] = w[which[p]] x[p] for each of `pairs` (at most MAX_ROWS) input rows by a stack of 4-bit [out, in] matrices
+ * (meshnet_gemv_q4's, a mixture-of-experts layer's experts, `scale` stacked alike): every pair's row by its own
+ * matrix in one parallel region, each output meshnet_gemv_q4's for that row and matrix, bit for bit; `scratch` holds
+ * pairs * meshnet_q8_floats(in) floats */
+void meshnet_gemv_pairs_q4(const uint8_t *w, const uint16_t *scale, const long *which, long pairs, const void *x,
+                           void *y, long out, long in, int dtype, float *scratch) {
+    struct row xs[MAX_ROWS];
+    if (pairs > MAX_ROWS) return;
+    for (long m = 0; m < pairs; m++) {
+        xs[m].q = q8_at(scratch + m * Q8_FLOATS(in), in);
+        quantize_q8((const char *)x + m * in * (dtype == F32 ? 4 : 2), in, dtype, &xs[m].q);
+    }
+    const long blocks = (out + 3) / 4;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < pairs * blocks; t++) {
+        const long m = t / blocks, r0 = (t % blocks) * 4;
+        const int count = out - r0 < 4 ? (int)(out - r0) : 4;
+        float v[4];
+        block(W_Q4, w + which[m] * out * (in / 2), scale + which[m] * out * (in / 32), r0, count, &xs[m], in, v,
+              LONG_ROW);
+        for (int i = 0; i < count; i++) store(y, m * out + r0 + i, v[i], dtype);
+    }
+}
+
 /* rows r0..r0+count-1 of a 4-bit matrix as values in `dtype` into y [count, in]: d * (q - 8), exact in float32 */
 void meshnet_dequantize_q4(const uint8_t *w, const uint16_t *scale, void *y, long r0, long count, long in, int dtype) {
 #pragma omp parallel for schedule(static)

@@ -192,6 +192,22 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     (``[tokens, top_k]``), over 4-bit stacks: each selected expert's tokens by its gate/up matrix, the model's own
     gate, its down matrix; each pair's output times its routing weight, summed over a token's pairs."""
     tokens, top_k = top_k_index.shape
+    if (tokens * top_k <= native.MAX_ROWS and hidden_states.device.type == "cpu" and native.library() is not None
+            and hidden_states.dtype in (torch.float32, torch.bfloat16)):
+        # a decode step's pairs, each by its expert's matrices in one call a stack: the products one call per expert
+        # makes, bit for bit, without a Python round per expert
+        which = top_k_index.reshape(-1).to(torch.int64)
+        x = hidden_states.repeat_interleave(top_k, dim=0)  # pair p's row: its token's
+        h = self._apply_gate(native.gemv_pairs_q4(x, self.gate_up_proj_q4, self.gate_up_proj_scale, which))
+        return weigh_pairs(native.gemv_pairs_q4(h, self.down_proj_q4, self.down_proj_scale, which), top_k_weights,
+                           hidden_states.dtype)
+    return experts_one_by_one(self, hidden_states, top_k_index, top_k_weights)
+
+
+def experts_one_by_one(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """:func:`experts_forward`'s result one selected expert at a time, all its tokens together (a prompt's way)."""
+    tokens, top_k = top_k_index.shape
     pairs_of = pairs_by_expert(top_k_index)
     out = torch.empty(tokens * top_k, hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
     for expert, pairs in pairs_of.items():

@@ -77,6 +77,9 @@ class Library:
         self.gemv_q4 = lib.meshnet_gemv_q4
         self.gemv_q4.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
         self.gemv_q4.restype = None
+        self.gemv_pairs_q4 = lib.meshnet_gemv_pairs_q4
+        self.gemv_pairs_q4.argtypes = [_P, _P, _P, _L, _P, _P, _L, _L, _I, _P]
+        self.gemv_pairs_q4.restype = None
         self.dequantize_q4 = lib.meshnet_dequantize_q4
         self.dequantize_q4.argtypes = [_P, _P, _P, _L, _L, _L, _I]
         self.dequantize_q4.restype = None
@@ -265,6 +268,28 @@ def gemv_q4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, columns:
     x, bias, y, rows = _rows_by(x, bias, packed.shape[0], columns)
     lib.gemv_q4(packed.data_ptr(), scale.data_ptr(), x.data_ptr(), _pointer(bias), y.data_ptr(), rows,
                 packed.shape[0], columns, _DTYPES[x.dtype], scratch(rows * lib.q8_floats(columns)))
+    return y
+
+
+def gemv_pairs_q4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+    """Row ``p`` of ``x [pairs, in]`` by 4-bit matrix ``which[p]`` of the stack ``packed [matrices, out, in / 2]``
+    with scales ``scale [matrices, out, in / 32]`` (a mixture-of-experts layer's 4-bit experts), each output row
+    :func:`gemv_q4`'s for that row and matrix bit for bit, all in one call; ``which`` holds int64 indices."""
+    lib = library()
+    count, out, half = packed.shape
+    columns = half * 2
+    x = x.contiguous()
+    pairs = x.shape[0]
+    if (x.dtype not in _DTYPES or packed.dtype != torch.uint8 or scale.dtype != torch.float16 or columns % 32
+            or scale.shape != (count, out, columns // 32) or not packed.is_contiguous() or not scale.is_contiguous()
+            or x.dim() != 2 or x.shape[1] != columns or pairs > MAX_ROWS or which.dtype != torch.int64
+            or which.numel() != pairs):
+        raise ValueError(f"gemv_pairs_q4 takes up to {MAX_ROWS} float32 or bfloat16 rows, one int64 index each, by a "
+                         "contiguous 4-bit stack with float16 scales")
+    which = which.contiguous()
+    y = torch.empty(pairs, out, dtype=x.dtype)
+    lib.gemv_pairs_q4(packed.data_ptr(), scale.data_ptr(), which.data_ptr(), pairs, x.data_ptr(), y.data_ptr(), out,
+                      columns, _DTYPES[x.dtype], scratch(pairs * lib.q8_floats(columns)))
     return y
 
 

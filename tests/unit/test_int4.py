@@ -86,6 +86,23 @@ def test_native_products_are_as_defined_and_the_same_alone_or_together(dtype):
 
 @needs_library
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_steps_expert_pairs_in_one_call_are_each_experts_own_products(dtype):
+    """A decode step's (token, expert) pairs by a 4-bit stack in one call: each row what its expert's matrix alone
+    gives it, bit for bit (a MoE layer's step through them: in the MoE shards' test below)."""
+    torch.manual_seed(3)
+    stack = torch.randn(6, 70, 608)  # 6 experts of [70, 608]: a last block of fewer than 4 rows, runs of 128, 64, 32
+    packed, scale = int4.quantize_stack(iter(stack), 6, 70, 608, torch.device("cpu"))
+    which = torch.tensor([5, 0, 5, 2, 3])
+    x = torch.randn(5, 608).to(dtype)
+    got = native.gemv_pairs_q4(x, packed, scale, which)
+    alone = [native.gemv_q4(x[p:p + 1], packed[e], scale[e], 608) for p, e in enumerate(which.tolist())]
+    assert torch.equal(got, torch.cat(alone))
+    with pytest.raises(ValueError, match="gemv_pairs_q4"):
+        native.gemv_pairs_q4(torch.randn(17, 608).to(dtype), packed, scale, torch.zeros(17, dtype=torch.long))
+
+
+@needs_library
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_dequantization_is_torchs_bit_for_bit(dtype):
     torch.manual_seed(4)
     packed, scale = int4.quantize(torch.randn(70, 608))
@@ -190,7 +207,9 @@ def test_moe_shards_with_int4_experts_match_the_whole_int4_model(tiny_model, arc
         want = experts(x, routes, weights)
         int4.quantize_experts(experts)
         got = experts(x, routes, weights)
+        one_by_one = int4.experts_one_by_one(experts, x, routes, weights)
     assert 0 < (got - want).norm() / want.norm() < 0.2
+    assert torch.equal(got, one_by_one)  # 6 pairs: a step's, in one call a stack where the library is built
 
 
 def test_quantizing_a_few_rows_at_a_time_changes_nothing(monkeypatch):
