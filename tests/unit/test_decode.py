@@ -85,7 +85,7 @@ def test_replaced_projections_are_bound_again(tiny_model, monkeypatch):
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
-@pytest.mark.parametrize("method", ["int8", "int8-torchao"])
+@pytest.mark.parametrize("method", ["int8", pytest.param("int8-torchao", marks=pytest.mark.slow)])
 def test_quantized_layers_take_the_path_bitwise(tiny_model, monkeypatch, method):
     """Quantized projections run through their own product (PyTorch's int8 kernel, torchao's tensor subclass)."""
     shard = ModelShard(tiny_model("llama"), 0, 4, sessions=SessionCacheStore(), dtype=torch.bfloat16, quantize=method)
@@ -116,8 +116,10 @@ needs_native = pytest.mark.skipif(native.library() is None, reason="no C compile
 
 
 @needs_native
-@pytest.mark.parametrize("quantize", [None, "int8", "int4"], ids=["fp32", "int8", "int4"])
-@pytest.mark.parametrize("arch, start", [("llama", 0), ("llama", 2), ("qwen2", 0)])
+@pytest.mark.parametrize("arch, start, quantize", [  # quantized weights past a head's first layers: the full suite's
+    pytest.param(arch, start, quantize, id=f"{arch}-{start}-{quantize or 'fp32'}",
+                 marks=pytest.mark.slow if quantize and (arch, start) != ("llama", 0) else ())
+    for arch, start in [("llama", 0), ("llama", 2), ("qwen2", 0)] for quantize in (None, "int8", "int4")])
 def test_native_steps_are_the_layers_own_forward_within_float_rounding(tiny_model, monkeypatch, arch, start,
                                                                        quantize):
     """The whole layer in one native call (RMSNorm, q/k/v with Qwen2's biases, rotary, the cache write, attention,

@@ -105,7 +105,8 @@ def assert_split_matches_whole(folder, split: int, n_layers: int, method: str, p
     assert shard_tokens(head, tail, prompt) == expected, f"{method}: split at {split} differs from generate"
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m == "int8-torchao" else m
+                                    for m in METHODS])  # torchao's kernel: the full suite's
 def test_tiny_llama_int8_shards_match_int8_generate(tiny_model, method):
     assert_split_matches_whole(tiny_model("llama"), 2, 4, method, TINY_PROMPT)
 
