@@ -468,6 +468,23 @@ void meshnet_gemv(const void *w, const void *x, const void *bias, void *y, long 
     rows_by(dtype == F32 ? W_F32 : W_BF16, w, NULL, x, bias, y, rows, out, in, dtype, scratch);
 }
 
+/* y[p] = w[which[p]] xs[p] for each of `pairs` prepared input rows, matrix i of the stack `bytes` bytes after matrix 0
+ * and its scales (where its kind has them) `scales` after scale 0: every pair's row by its own matrix, all of them
+ * shared out among the threads in one parallel region, four outputs at a time */
+static void pairs_by(int kind, const void *w, long bytes, const uint16_t *scale, long scales, const long *which,
+                     long pairs, const struct row *xs, void *y, long out, long in, int dtype) {
+    const long blocks = (out + 3) / 4;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < pairs * blocks; t++) {
+        const long m = t / blocks, r0 = (t % blocks) * 4;
+        const int count = out - r0 < 4 ? (int)(out - r0) : 4;
+        float v[4];
+        block(kind, (const char *)w + which[m] * bytes, scale ? scale + which[m] * scales : NULL, r0, count, &xs[m],
+              in, v, LONG_ROW);
+        for (int i = 0; i < count; i++) store(y, m * out + r0 + i, v[i], dtype);
+    }
+}
+
 /* y[p] = w[which[p]] x[p] for each of `pairs` (at most MAX_ROWS) input rows, where w is a stack of [out, in] matrices
  * `stride` elements apart (a mixture-of-experts layer's experts): every pair's row by its own matrix, all of them
  * shared out among the threads in one parallel region, four outputs at a time. Each output is the one rows_by
@@ -484,15 +501,7 @@ void meshnet_gemv_pairs(const void *w, long stride, const long *which, long pair
         const float *f = inputs(x, pairs * in, dtype, scratch);
         for (long m = 0; m < pairs; m++) xs[m].f = f + m * in, xs[m].h = NULL;
     }
-    const long blocks = (out + 3) / 4;
-#pragma omp parallel for schedule(static)
-    for (long t = 0; t < pairs * blocks; t++) {
-        const long m = t / blocks, r0 = (t % blocks) * 4;
-        const int count = out - r0 < 4 ? (int)(out - r0) : 4;
-        float v[4];
-        block(kind, (const char *)w + which[m] * stride * size, NULL, r0, count, &xs[m], in, v, LONG_ROW);
-        for (int i = 0; i < count; i++) store(y, m * out + r0 + i, v[i], dtype);
-    }
+    pairs_by(kind, w, stride * size, NULL, 0, which, pairs, xs, y, out, in, dtype);
 }
 
 /* floats of scratch an int8 product's input row of `n` values takes */
@@ -523,16 +532,7 @@ void meshnet_gemv_pairs_q4(const uint8_t *w, const uint16_t *scale, const long *
         xs[m].q = q8_at(scratch + m * Q8_FLOATS(in), in);
         quantize_q8((const char *)x + m * in * (dtype == F32 ? 4 : 2), in, dtype, &xs[m].q);
     }
-    const long blocks = (out + 3) / 4;
-#pragma omp parallel for schedule(static)
-    for (long t = 0; t < pairs * blocks; t++) {
-        const long m = t / blocks, r0 = (t % blocks) * 4;
-        const int count = out - r0 < 4 ? (int)(out - r0) : 4;
-        float v[4];
-        block(W_Q4, w + which[m] * out * (in / 2), scale + which[m] * out * (in / 32), r0, count, &xs[m], in, v,
-              LONG_ROW);
-        for (int i = 0; i < count; i++) store(y, m * out + r0 + i, v[i], dtype);
-    }
+    pairs_by(W_Q4, w, out * (in / 2), scale, out * (in / 32), which, pairs, xs, y, out, in, dtype);
 }
 
 /* rows r0..r0+count-1 of a 4-bit matrix as values in `dtype` into y [count, in]: d * (q - 8), exact in float32 */
