@@ -418,7 +418,7 @@ class GenerationLoop:
             self.index.moved(self.session_id, self.route)
 
     def _end(self) -> None:
-        """Keep the session on every node as a prefix (ended), or free it (failed or abandoned)."""
+        """Keep the session on every node as a prefix (ended, with prefix reuse on), or free it on every node."""
         index, stats = self.index, self.stats
         if index is not None and self.cached and stats.finish_reason is not None \
                 and index.get(self.session_id) is not None:
@@ -437,8 +437,10 @@ class GenerationLoop:
             if self.request.retained is not None:
                 self.request.retained.drop(self.session_id)
             self.backend.drop_local_session(self.session_id)
-            if stats.finish_reason is None:
-                # abandoned (the client left) or failed: free this generation's sessions on every node now
+            if self.cached or stats.finish_reason is None:
+                # ended with nothing to reuse it, abandoned (the client left) or failed: free the session on every
+                # node now, not at its TTL: its memory, and the node's batching, which waits a while for the next
+                # step of every session that decoded there lately (daemon.model.steps)
                 for hop in self.route:
                     if not hop.local:
                         self.client.release(hop.url, self.session_id)

@@ -168,7 +168,8 @@ def test_a_failed_hop_moves_the_generation_and_its_event_says_how_it_failed():
     tails = Tails({3: failure})
     events, stats = generate(router, tails, route)
     assert len(events) == 4 and stats.failovers == 1 and stats.reprefills == 0  # the replacement alone, below
-    assert stats.route[1].url != failed and tails.released == [failed]
+    # the failed node's session at the failover, the replacement's when the answer ends (no prefix reuse here)
+    assert stats.route[1].url != failed and tails.released == [failed, stats.route[1].url]
     event = router.events[-1]
     assert (event.kind, event.failed, event.reason) == ("failover", failed, failure.message)
     assert (event.code, event.status) == ("timed_out", None)
@@ -306,7 +307,7 @@ def test_a_reroute_is_checked_every_few_decode_steps_and_costs_one_prefill():
     tails = Tails()
     events, stats = generate(FixedRouter(faster, reroute_at=position), tails, ROUTE, max_tokens=20)
     assert len(events) == 20 and (stats.reroutes, stats.reprefills) == (1, 1)
-    assert tails.released == [R1] and stats.route == faster
+    assert tails.released == [R1, R2] and stats.route == faster  # the old route's at the move, the new at the end
     assert tails.steps[REROUTE_CHECK_STEPS + 1] == (R2, "prefill", position)
 
 
