@@ -19,6 +19,7 @@ import time
 from daemon import __version__
 from daemon.api.launch import NODE_INSTALL, console_only, missing_node_packages
 from daemon.config import SETTINGS, default_config_path, default_threads, is_loopback, load_config
+from daemon.host import prefer_huge_pages
 from daemon.settings import ConfigError
 
 STOP_WAIT_SECONDS = 2.0  # after the grace: how long generations get to reach their next step and end
@@ -341,6 +342,7 @@ async def serve_until_stopped(app, node) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    prefer_huge_pages()  # before torch allocates: the weights every node and bench reads go on huge pages
     missing = missing_node_packages()
     if missing:
         print(f"meshd: error: {console_only(missing)}; a node needs the node extra: {NODE_INSTALL}",

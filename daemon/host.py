@@ -38,6 +38,24 @@ def return_freed_memory() -> None:
         LIBC.malloc_trim(0)
 
 
+TORCH_HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"  # torch's own switch, read at its first allocation of 2 MiB or more
+
+
+def prefer_huge_pages() -> None:
+    """Have torch back its allocations of 2 MiB and more (a node's weights) with transparent huge pages, unless
+    the environment already says (``THP_MEM_ALLOC_ENABLE=0`` turns it off). Torch then aligns them to 2 MiB and
+    asks the kernel for huge pages there (``madvise(MADV_HUGEPAGE)``, which the usual ``madvise`` setting of
+    ``/sys/kernel/mm/transparent_hugepage/enabled`` honours): streaming weights then walks a page table entry per
+    2 MiB, not per 4 KiB. Call it before torch allocates anything that large; it changes no arithmetic."""
+    os.environ.setdefault(TORCH_HUGE_PAGES, "1")
+
+
+def huge_pages_preferred() -> bool:
+    """Whether torch backs this process's large allocations with huge pages (:func:`prefer_huge_pages`, or the
+    user's own ``THP_MEM_ALLOC_ENABLE``): weights are then worth copying out of a checkpoint's file mapping."""
+    return os.environ.get(TORCH_HUGE_PAGES, "").strip().lower() in ("1", "on", "yes", "true", "y")
+
+
 def file_mappings() -> list[tuple[int, int]]:
     """This process's memory ranges mapped from files (checkpoints whose pages a node's weights were read from)."""
     ranges = []

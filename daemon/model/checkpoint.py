@@ -210,13 +210,12 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
     ``dtype`` on ``device``: of the decoder layers, those in ``layers`` only, each quantized with ``quantize``
     (:mod:`daemon.model.quantize`) as soon as it is in. A wanted LM head the files lack is tied to the embeddings.
     :class:`ModelUnavailable` when the files lack a wanted weight."""
-    import torch
     from safetensors import safe_open
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    from daemon.host import file_mappings, in_file_mapping
+    from daemon.host import file_mappings, huge_pages_preferred
     from daemon.model.fusing import fuse_in_place
     from daemon.model.quantize import quantize_head, quantize_layers
 
@@ -257,15 +256,12 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
         # A layer whose checkpoint tensors were fused (MoE experts, qkv) or quantized holds new memory: its other
         # weights still in the file are copied too, so nothing keeps this group's file mapped, and the pages the
         # new tensors were read from leave the resident set (else they stay counted beside them until the node
-        # exits). Tensors already in memory of their own (the fused experts) are not copied again.
-        if layer is not None and (quantize or sum(len(keys) for keys in keys_by_file.values())
-                                  > sum(1 for _ in layer.parameters())):
-            mappings = file_mappings()
-            for parameter in layer.parameters():
-                data = parameter.data
-                if type(data) is torch.Tensor and in_file_mapping(
-                        data.data_ptr(), data.numel() * data.element_size(), mappings):
-                    parameter.data = data.clone()
+        # exits). Tensors already in memory of their own (the fused experts) are not copied again. Where torch
+        # allocates on huge pages, every layer's weights are copied: read from the file's mapping, they would
+        # stream through 4 KiB pages at every step (ADR-0047).
+        fused = layer is not None and sum(len(k) for k in keys_by_file.values()) > sum(1 for _ in layer.parameters())
+        if layer is not None and (quantize or fused or huge_pages_preferred()):
+            own_memory(layer.parameters(), file_mappings())
             if quantize:  # the float weights a quantizer replaced can sit in reference cycles until collected
                 gc.collect()
             return_freed_memory()  # what fusing and casting left in the C heap
@@ -275,11 +271,41 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
         if model.model.embed_tokens.weight.device.type == "meta":
             load_parts(model, folder, {"embed"}, layers=layers, dtype=dtype, device=device)
         model.lm_head.weight = model.model.embed_tokens.weight
+    if "lm_head" in parts and not quantize and huge_pages_preferred():
+        own_memory([model.lm_head.weight], file_mappings())  # read whole at every step, as a layer is
     if "lm_head" in parts and quantize:
         quantize_head(model, quantize)
         gc.collect()
         return_freed_memory()
     _check_loaded(model, folder, parts, layers)
+
+
+COPY_BYTES = 16 << 20  # a weight is copied out of its file this much at a time
+
+
+def own_memory(parameters, mappings: list[tuple[int, int]]) -> None:
+    """Copy each of ``parameters`` that is still read from a checkpoint's file mapping (``mappings``) into memory of
+    its own, a few MiB at a time, letting go of each part's file pages once copied: the resident set holds a weight
+    twice for one part at most, not for a whole layer. Tensors not in a file mapping are left as they are."""
+    import torch
+
+    from daemon.host import in_file_mapping, release_file_pages
+
+    for parameter in parameters:
+        data = parameter.data
+        size = data.element_size()
+        if type(data) is not torch.Tensor or not in_file_mapping(data.data_ptr(), data.numel() * size, mappings):
+            continue
+        if not data.is_contiguous():
+            parameter.data = data.clone()
+            continue
+        copy = torch.empty_like(data)
+        source, target, step = data.view(-1), copy.view(-1), max(1, COPY_BYTES // size)
+        for first in range(0, source.numel(), step):
+            part = source[first:first + step]
+            target[first:first + step].copy_(part)
+            release_file_pages(part.data_ptr(), part.numel() * size, mappings)
+        parameter.data = copy
 
 
 def buffers_to_device(model: torch.nn.Module, device: torch.device) -> None:

@@ -149,7 +149,7 @@ def run_meshd_in_process(*args: str, env: dict | None = None) -> subprocess.Comp
                 patch.delenv(name)
             for name, value in env.items():
                 patch.setenv(name, value)
-        for name in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS"):  # meshd sets them when unset: undone with the rest
+        for name in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE"):  # meshd sets them when unset
             value = os.environ.get(name)
             patch.setenv(name, value or "")
             if value is None:

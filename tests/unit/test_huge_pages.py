@@ -1,0 +1,120 @@
+"""Weights on huge pages: a node whose torch allocates on them (``THP_MEM_ALLOC_ENABLE``, which meshd sets) copies its
+layers and LM head out of the checkpoint's file mapping, a part at a time, and holds them once."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from daemon.host import TORCH_HUGE_PAGES, file_mappings, huge_pages_preferred, in_file_mapping, prefer_huge_pages
+from daemon.model.checkpoint import COPY_BYTES, own_memory
+from tests.support.tiny_models import TOKENIZER_FILES
+
+
+def _mapped(tensor: torch.Tensor) -> bool:
+    return in_file_mapping(tensor.data_ptr(), tensor.numel() * tensor.element_size(), file_mappings())
+
+
+def test_own_memory_copies_a_mapped_weight_and_leaves_others(tmp_path):
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    weights = {"w": torch.randn(3 * COPY_BYTES // 4 + 5, dtype=torch.float32), "b": torch.randn(7)}  # parts of 16 MiB
+    save_file(weights, tmp_path / "w.safetensors")
+    handle = safe_open(str(tmp_path / "w.safetensors"), framework="pt")
+    mapped = torch.nn.Parameter(handle.get_tensor("w"), requires_grad=False)
+    own = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+    kept = own.data_ptr()
+    assert _mapped(mapped.data)  # safetensors hands out the file's pages as they are
+    own_memory([mapped, own], file_mappings())
+    assert not _mapped(mapped.data) and torch.equal(mapped.data, weights["w"])
+    assert own.data_ptr() == kept
+
+
+def test_huge_pages_are_preferred_unless_the_environment_says_otherwise(monkeypatch):
+    monkeypatch.delenv(TORCH_HUGE_PAGES, raising=False)
+    assert not huge_pages_preferred()
+    prefer_huge_pages()
+    assert os.environ[TORCH_HUGE_PAGES] == "1" and huge_pages_preferred()
+    monkeypatch.setenv(TORCH_HUGE_PAGES, "0")
+    prefer_huge_pages()
+    assert os.environ[TORCH_HUGE_PAGES] == "0" and not huge_pages_preferred()
+
+
+# A node process loading a tail (two large dense layers and an LM head) the way meshd does: its resident set from
+# just before the load to the load's peak, the bytes of its weights, where they sit.
+LOAD = """
+import json, sys, torch
+from daemon.host import file_mappings, in_file_mapping, prefer_huge_pages
+prefer_huge_pages()  # as meshd's main does, before torch allocates anything large
+import transformers.models.llama.modeling_llama  # the model's code, imported before the peak is reset
+from daemon.model.shard import ModelShard
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+def anon_huge():
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("AnonHugePages:"))
+
+torch.set_num_threads(1)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak resident set starts again from here
+before, huge_before = status("VmRSS"), anon_huge()
+shard = ModelShard(sys.argv[1], 1, 3, head=False, kv_cache=False, dtype=torch.bfloat16)
+weights = [p for p in shard.model.parameters() if p.device.type != "meta" and p.numel() * p.element_size() >= 1 << 20]
+mappings = file_mappings()
+print(json.dumps({
+    "growth": status("VmHWM") - before, "held": sum(p.numel() * p.element_size() for p in weights),
+    "mapped": sum(in_file_mapping(p.data_ptr(), p.numel() * p.element_size(), mappings) for p in weights),
+    "weights": len(weights), "huge": anon_huge() - huge_before}))
+"""
+
+
+def _load(folder: Path, huge_pages: str) -> dict:
+    env = os.environ | {TORCH_HUGE_PAGES: huge_pages}
+    out = subprocess.run([sys.executable, "-c", LOAD, str(folder)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _host_offers_huge_pages() -> bool:
+    try:
+        setting = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in setting
+
+
+@pytest.mark.slow
+def test_a_node_on_huge_pages_holds_its_weights_once_outside_the_file(tmp_path, default_model):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=3, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    for name in TOKENIZER_FILES:  # the tail answers tokens as text
+        if (default_model / name).exists():
+            shutil.copy(default_model / name, tmp_path / name)
+    # off, the weights stay in the file's mapping, untouched until a step reads them: what the load grows by is the
+    # rest (the tokenizer, the model's skeleton)
+    off, on = _load(tmp_path, "0"), _load(tmp_path, "1")
+    copies = (on["growth"] - off["growth"]) / on["held"]
+    print(f"a tail of 2 layers and an LM head, {on['held'] / 2**20:.0f} MiB of weights: the load grew the peak by "
+          f"{off['growth'] / 2**20:.0f} MiB with them in the file, {on['growth'] / 2**20:.0f} MiB on huge pages "
+          f"({copies:.2f}x the weights more), {on['huge'] / 2**20:.0f} MiB of them huge")
+    assert on["held"] > 150 << 20  # 2 x 29 MiB of layers, 96 MiB of LM head
+    assert off["mapped"] == off["weights"] and on["mapped"] == 0, (off, on)
+    assert copies <= 1.1  # copied a part at a time, each part's file pages let go: never a whole weight twice
+    if _host_offers_huge_pages():
+        assert on["huge"] >= on["held"] // 2
