@@ -257,11 +257,11 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
         # weights still in the file are copied too, so nothing keeps this group's file mapped, and the pages the
         # new tensors were read from leave the resident set (else they stay counted beside them until the node
         # exits). Tensors already in memory of their own (the fused experts) are not copied again. Where torch
-        # allocates on huge pages, every layer's weights are copied: read from the file's mapping, they would
+        # allocates on huge pages, a layer's large weights are copied too: read from the file's mapping, they would
         # stream through 4 KiB pages at every step (ADR-0047).
         fused = layer is not None and sum(len(k) for k in keys_by_file.values()) > sum(1 for _ in layer.parameters())
         if layer is not None and (quantize or fused or huge_pages_preferred()):
-            own_memory(layer.parameters(), file_mappings())
+            own_memory(layer.parameters(), file_mappings(), smallest=0 if quantize or fused else HUGE_PAGES_FROM)
             if quantize:  # the float weights a quantizer replaced can sit in reference cycles until collected
                 gc.collect()
             return_freed_memory()  # what fusing and casting left in the C heap
@@ -272,7 +272,7 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
             load_parts(model, folder, {"embed"}, layers=layers, dtype=dtype, device=device)
         model.lm_head.weight = model.model.embed_tokens.weight
     if "lm_head" in parts and not quantize and huge_pages_preferred():
-        own_memory([model.lm_head.weight], file_mappings())  # read whole at every step, as a layer is
+        own_memory([model.lm_head.weight], file_mappings(), smallest=HUGE_PAGES_FROM)  # read whole at every step
     if "lm_head" in parts and quantize:
         quantize_head(model, quantize)
         gc.collect()
@@ -281,12 +281,16 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
 
 
 COPY_BYTES = 16 << 20  # a weight is copied out of its file this much at a time
+# weights this large and up leave the file for huge pages: a row product over 8-16 MiB of bfloat16 streamed 8% faster
+# on them, over 3.4 MiB of float32 (the built-in model's, less than two huge pages) no faster (ADR-0047)
+HUGE_PAGES_FROM = 8 << 20
 
 
-def own_memory(parameters, mappings: list[tuple[int, int]]) -> None:
-    """Copy each of ``parameters`` that is still read from a checkpoint's file mapping (``mappings``) into memory of
-    its own, a few MiB at a time, letting go of each part's file pages once copied: the resident set holds a weight
-    twice for one part at most, not for a whole layer. Tensors not in a file mapping are left as they are."""
+def own_memory(parameters, mappings: list[tuple[int, int]], *, smallest: int = 0) -> None:
+    """Copy each of ``parameters`` of ``smallest`` bytes or more that is still read from a checkpoint's file mapping
+    (``mappings``) into memory of its own, a few MiB at a time, letting go of each part's file pages once copied:
+    the resident set holds a weight twice for one part at most, not for a whole layer. Tensors not in a file
+    mapping are left as they are."""
     import torch
 
     from daemon.host import in_file_mapping, release_file_pages
@@ -294,7 +298,9 @@ def own_memory(parameters, mappings: list[tuple[int, int]]) -> None:
     for parameter in parameters:
         data = parameter.data
         size = data.element_size()
-        if type(data) is not torch.Tensor or not in_file_mapping(data.data_ptr(), data.numel() * size, mappings):
+        nbytes = data.numel() * size
+        mapped = type(data) is torch.Tensor and in_file_mapping(data.data_ptr(), nbytes, mappings)
+        if not mapped or nbytes < smallest:
             continue
         if not data.is_contiguous():
             parameter.data = data.clone()

@@ -1,5 +1,5 @@
 """Weights on huge pages: a node whose torch allocates on them (``THP_MEM_ALLOC_ENABLE``, which meshd sets) copies its
-layers and LM head out of the checkpoint's file mapping, a part at a time, and holds them once."""
+layers' and LM head's large weights out of the checkpoint's file mapping, a part at a time, and holds them once."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from daemon.host import TORCH_HUGE_PAGES, file_mappings, huge_pages_preferred, in_file_mapping, prefer_huge_pages
-from daemon.model.checkpoint import COPY_BYTES, own_memory
+from daemon.model.checkpoint import COPY_BYTES, HUGE_PAGES_FROM, own_memory
 from tests.support.tiny_models import TOKENIZER_FILES
 
 
@@ -31,12 +31,13 @@ def test_own_memory_copies_a_mapped_weight_and_leaves_others(tmp_path):
     save_file(weights, tmp_path / "w.safetensors")
     handle = safe_open(str(tmp_path / "w.safetensors"), framework="pt")
     mapped = torch.nn.Parameter(handle.get_tensor("w"), requires_grad=False)
+    small = torch.nn.Parameter(handle.get_tensor("b"), requires_grad=False)
     own = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
-    kept = own.data_ptr()
-    assert _mapped(mapped.data)  # safetensors hands out the file's pages as they are
-    own_memory([mapped, own], file_mappings())
+    kept = own.data_ptr(), small.data_ptr()
+    assert _mapped(mapped.data) and _mapped(small.data)  # safetensors hands out the file's pages as they are
+    own_memory([mapped, own, small], file_mappings(), smallest=1024)
     assert not _mapped(mapped.data) and torch.equal(mapped.data, weights["w"])
-    assert own.data_ptr() == kept
+    assert (own.data_ptr(), small.data_ptr()) == kept  # already its own; too small to be worth a copy
 
 
 def test_huge_pages_are_preferred_unless_the_environment_says_otherwise(monkeypatch):
@@ -71,7 +72,7 @@ with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak resident set starts again from here
 before, huge_before = status("VmRSS"), anon_huge()
 shard = ModelShard(sys.argv[1], 1, 3, head=False, kv_cache=False, dtype=torch.bfloat16)
-weights = [p for p in shard.model.parameters() if p.device.type != "meta" and p.numel() * p.element_size() >= 1 << 20]
+weights = [p for p in shard.model.parameters() if p.device.type != "meta" and p.numel() * p.element_size() >= LARGE]
 mappings = file_mappings()
 print(json.dumps({
     "growth": status("VmHWM") - before, "held": sum(p.numel() * p.element_size() for p in weights),
@@ -82,7 +83,8 @@ print(json.dumps({
 
 def _load(folder: Path, huge_pages: str) -> dict:
     env = os.environ | {TORCH_HUGE_PAGES: huge_pages}
-    out = subprocess.run([sys.executable, "-c", LOAD, str(folder)], capture_output=True, text=True, env=env)
+    script = LOAD.replace("LARGE", str(HUGE_PAGES_FROM))  # the weights large enough to be copied
+    out = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -110,10 +112,10 @@ def test_a_node_on_huge_pages_holds_its_weights_once_outside_the_file(tmp_path, 
     # rest (the tokenizer, the model's skeleton)
     off, on = _load(tmp_path, "0"), _load(tmp_path, "1")
     copies = (on["growth"] - off["growth"]) / on["held"]
-    print(f"a tail of 2 layers and an LM head, {on['held'] / 2**20:.0f} MiB of weights: the load grew the peak by "
-          f"{off['growth'] / 2**20:.0f} MiB with them in the file, {on['growth'] / 2**20:.0f} MiB on huge pages "
+    print(f"a tail of 2 layers and an LM head, {on['held'] / 2**20:.0f} MiB of large weights: the load grew the peak "
+          f"by {off['growth'] / 2**20:.0f} MiB with them in the file, {on['growth'] / 2**20:.0f} MiB on huge pages "
           f"({copies:.2f}x the weights more), {on['huge'] / 2**20:.0f} MiB of them huge")
-    assert on["held"] > 150 << 20  # 2 x 29 MiB of layers, 96 MiB of LM head
+    assert on["held"] > 140 << 20 and on["weights"] == 7  # 2 x 3 MLP matrices of 8 MiB, 96 MiB of LM head
     assert off["mapped"] == off["weights"] and on["mapped"] == 0, (off, on)
     assert copies <= 1.1  # copied a part at a time, each part's file pages let go: never a whole weight twice
     if _host_offers_huge_pages():
