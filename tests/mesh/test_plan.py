@@ -340,6 +340,7 @@ def test_builtin_model_in_bfloat16_matches_a_real_shard(default_model):
     assert sum(shard.loaded_bytes().values()) == sum(footprint.weights_bytes(20, 30, Precision("bfloat16")).values())
 
 
+@pytest.mark.slow  # loads and quantizes the built-in model's tail: 5 s of the fast subset's 3 min
 def test_builtin_model_int8_tail_matches_a_real_shard(default_model):
     """The int8 method's tail holds an int8 copy of the tied LM head (and lets the embeddings go until it heads)."""
     from daemon.model.shard import ModelShard
