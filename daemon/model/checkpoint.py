@@ -271,8 +271,6 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
         if model.model.embed_tokens.weight.device.type == "meta":
             load_parts(model, folder, {"embed"}, layers=layers, dtype=dtype, device=device)
         model.lm_head.weight = model.model.embed_tokens.weight
-    if "lm_head" in parts and not quantize and huge_pages_preferred():
-        own_memory([model.lm_head.weight], file_mappings(), smallest=HUGE_PAGES_FROM)  # read whole at every step
     if "lm_head" in parts and quantize:
         quantize_head(model, quantize)
         gc.collect()

@@ -171,7 +171,8 @@ def test_a_q4_0_files_weights_come_through_unchanged():
     assert not torch.equal(loaded, torch.from_numpy(weights))
 
 
-@pytest.mark.slow  # the fast subset's MoE int4 product: test_a_steps_expert_pairs_in_one_call_are_each_experts_own_products
+# the fast subset checks the MoE int4 product in test_a_steps_expert_pairs_in_one_call_are_each_experts_own_products
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
 def test_moe_shards_with_int4_experts_match_the_whole_int4_model(tiny_model, arch):
     """A mixture-of-experts model's fused experts are quantized too, expert by expert: two int4 shards emit the
