@@ -128,6 +128,10 @@ def load_node(argv: list[str]):
     args = _serve_parser().parse_args(argv)
     from pathlib import Path
 
+    from daemon.model.quantize import keep_torchao_unloaded
+
+    keep_torchao_unloaded()
+
     try:
         config = load_config(
             {k: v for k, v in vars(args).items() if k != "config"},

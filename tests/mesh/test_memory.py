@@ -9,6 +9,8 @@ difference of their peaks is what those 8 layers cost, the runtime's fixed basel
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -112,3 +114,16 @@ def test_a_node_of_fused_experts_holds_them_once(synthetic_moe, tmp_path):
     print(f"4 more MoE layers ({extra_bytes / 2**20:.0f} MiB): peak {small_peak / 2**20:.0f} -> "
           f"{large_peak / 2**20:.0f} MiB, {(large_peak - small_peak) / extra_bytes:.2f}x their bytes")
     assert large_peak - small_peak <= PEAK_PER_BYTE * extra_bytes
+
+
+
+@pytest.mark.parametrize("quantize, imported", [((), False), (("--quantize", "int8"), True)])
+def test_only_an_int8_node_imports_torchao(tiny_model, quantize, imported):
+    """transformers would import torchao as it loads any model wherever torchao is installed; a node tells it
+    not to, and only the int8 methods import it, themselves. Loaded as meshd loads a node, in a fresh process."""
+    program = ("import sys; from daemon.cli import load_node; "
+               "load_node(sys.argv[1:]); print('torchao' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", program, "--model", str(tiny_model("llama")), *quantize],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == str(imported)
