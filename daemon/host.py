@@ -89,6 +89,27 @@ def release_file_pages(start: int, length: int, mappings: list[tuple[int, int]])
         LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
+def release_tensor_pages(tensor, mappings: list[tuple[int, int]]) -> None:
+    """:func:`release_file_pages` for the memory of ``tensor`` (a torch tensor), where it is one range of memory
+    (contiguous); the pages under a strided view are left alone."""
+    if tensor.is_contiguous():
+        release_file_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size(), mappings)
+
+
+def copy_out_of_file(source, target, mappings: list[tuple[int, int]], *, block_bytes: int) -> None:
+    """Copy torch tensor ``source`` into ``target`` (same shape, any strides) ``block_bytes`` of leading rows at a
+    time, letting go of each block's file pages (:func:`release_tensor_pages`) once copied: the resident set holds
+    a weight read from a checkpoint twice for one block at most, not whole."""
+    if source.dim() == 0:
+        target.copy_(source)
+        return
+    rows = max(1, block_bytes // (source[0].numel() * source.element_size() or 1))
+    for first in range(0, source.shape[0], rows):
+        part = source[first:first + rows]
+        target[first:first + rows].copy_(part)
+        release_tensor_pages(part, mappings)
+
+
 _MADV_DONTNEED = 4
 
 

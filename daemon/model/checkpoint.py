@@ -291,25 +291,16 @@ def own_memory(parameters, mappings: list[tuple[int, int]], *, smallest: int = 0
     mapping are left as they are."""
     import torch
 
-    from daemon.host import in_file_mapping, release_file_pages
+    from daemon.host import copy_out_of_file, in_file_mapping
 
     for parameter in parameters:
         data = parameter.data
-        size = data.element_size()
-        nbytes = data.numel() * size
+        nbytes = data.numel() * data.element_size()
         mapped = type(data) is torch.Tensor and in_file_mapping(data.data_ptr(), nbytes, mappings)
-        if not mapped or nbytes < smallest:
-            continue
-        if not data.is_contiguous():
-            parameter.data = data.clone()
-            continue
-        copy = torch.empty_like(data)
-        source, target, step = data.view(-1), copy.view(-1), max(1, COPY_BYTES // size)
-        for first in range(0, source.numel(), step):
-            part = source[first:first + step]
-            target[first:first + step].copy_(part)
-            release_file_pages(part.data_ptr(), part.numel() * size, mappings)
-        parameter.data = copy
+        if mapped and nbytes >= smallest:
+            copy = torch.empty_like(data)
+            copy_out_of_file(data, copy, mappings, block_bytes=COPY_BYTES)
+            parameter.data = copy
 
 
 def buffers_to_device(model: torch.nn.Module, device: torch.device) -> None:

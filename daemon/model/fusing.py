@@ -24,7 +24,7 @@ import copy
 import torch
 from transformers.core_model_loading import Concatenate, ConversionOps, MergeModulelist, WeightConverter
 
-from daemon.host import file_mappings, release_file_pages
+from daemon.host import file_mappings, release_tensor_pages
 
 
 class StackExperts(ConversionOps):
@@ -69,7 +69,7 @@ class StackExperts(ConversionOps):
                 source = tensors[expert]
                 fused[expert].narrow(axis, offset, size).copy_(source)
                 if mappings:
-                    release_file_pages(source.data_ptr(), source.numel() * source.element_size(), mappings)
+                    release_tensor_pages(source, mappings)
                 tensors[expert] = None  # a cast copy is freed here, not with the whole list
             offset += size
         return {target_patterns[0]: fused}
@@ -101,7 +101,7 @@ def _expert_matrices(lists: list[list[torch.Tensor | None]], axis: int, mappings
         yield sources[0] if len(sources) == 1 else torch.cat(sources, dim=axis)
         for tensors, source in zip(lists, sources):
             if mappings:
-                release_file_pages(source.data_ptr(), source.numel() * source.element_size(), mappings)
+                release_tensor_pages(source, mappings)
             tensors[expert] = None
 
 

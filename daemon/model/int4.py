@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from daemon.host import file_mappings, release_file_pages
+from daemon.host import file_mappings, release_tensor_pages
 from daemon.model import native
 from daemon.model.experts import pairs_by_expert, weigh_pairs
 
@@ -44,12 +44,12 @@ def quantize(weight: torch.Tensor, mappings: list[tuple[int, int]] | None = None
     packed = torch.empty(rows, columns // 2, dtype=torch.uint8, device=weight.device)
     scale = torch.empty(rows, columns // BLOCK, dtype=torch.float16, device=weight.device)
     step = max(1, CHUNK_BYTES // (columns * 4))
-    released = weight.device.type == "cpu" and weight.is_contiguous()
-    mappings = (file_mappings() if mappings is None else mappings) if released else []
+    if mappings is None:
+        mappings = file_mappings() if weight.device.type == "cpu" else []
     for first in range(0, rows, step):
         part = weight[first:first + step].detach()
         packed[first:first + step], scale[first:first + step] = _quantize_rows(part)
-        release_file_pages(part.data_ptr(), part.numel() * part.element_size(), mappings)
+        release_tensor_pages(part, mappings)
     return packed, scale
 
 

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from daemon.host import cpu_name, file_mappings, release_file_pages, return_freed_memory
+from daemon.host import copy_out_of_file, cpu_name, file_mappings, return_freed_memory
 from daemon.model import native
 
 log = logging.getLogger(__name__)
@@ -195,13 +195,8 @@ def apply_plan(module: nn.Linear, plan: Plan, mappings: list[tuple[int, int]] = 
         shape = old.shape[::-1] if plan.transposed else old.shape
         new = torch.empty(shape, dtype=old.dtype, device=old.device)
         new = new.t() if plan.transposed else new
-        block = max(1, (4 << 20) // (old.shape[1] * old.element_size()))  # 4 MiB of the former weight at a time
         with torch.no_grad():
-            for first in range(0, old.shape[0], block):
-                new[first:first + block].copy_(old[first:first + block])
-                if not transposed:  # rows of a plain weight are whole ranges of its memory
-                    part = old[first:first + block]
-                    release_file_pages(part.data_ptr(), part.numel() * part.element_size(), mappings)
+            copy_out_of_file(old, new, mappings, block_bytes=4 << 20)
             weight.data = new
         del old
         return_freed_memory()  # the former weight, where it came from the heap (a cast checkpoint's copy)

@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from daemon.errors import ModelUnavailable
-from daemon.host import file_mappings, release_file_pages
+from daemon.host import file_mappings, release_tensor_pages
 from daemon.model import native
 
 METHODS = ("int8", "int8-torchao", "int4")
@@ -177,13 +177,13 @@ class Int8WeightLinear(nn.Module):
         scale = torch.empty(weight.shape[0], dtype=KERNEL_DTYPE, device=weight.device)
         step = max(1, (16 << 20) // (self.in_features * 4))  # rows at a time (each its own scale): few MB of scratch
         # rows read from a checkpoint's file mapping leave the resident set once quantized (as in daemon.model.int4)
-        mappings = file_mappings() if weight.device.type == "cpu" and weight.is_contiguous() else []
+        mappings = file_mappings() if weight.device.type == "cpu" else []
         for first in range(0, weight.shape[0], step):
             part = weight[first:first + step]
             quantized = Int8Tensor.from_hp(part, PerRow())  # symmetric, float32 scales
             qdata[first:first + step] = quantized.qdata
             scale[first:first + step] = quantized.scale.flatten().to(KERNEL_DTYPE)
-            release_file_pages(part.data_ptr(), part.numel() * part.element_size(), mappings)
+            release_tensor_pages(part, mappings)
         self.weight_int8 = nn.Parameter(qdata, requires_grad=False)  # [out, in] int8
         self.scale = nn.Parameter(scale, requires_grad=False)  # [out]
         self.bias = linear.bias

@@ -14,7 +14,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from daemon.host import TORCH_HUGE_PAGES, file_mappings, huge_pages_preferred, in_file_mapping, prefer_huge_pages
+from daemon.host import (
+    TORCH_HUGE_PAGES,
+    copy_out_of_file,
+    file_mappings,
+    huge_pages_preferred,
+    in_file_mapping,
+    prefer_huge_pages,
+)
 from daemon.model.checkpoint import COPY_BYTES, HUGE_PAGES_FROM, own_memory
 from tests.support.tiny_models import TOKENIZER_FILES
 
@@ -38,6 +45,31 @@ def test_own_memory_copies_a_mapped_weight_and_leaves_others(tmp_path):
     own_memory([mapped, own, small], file_mappings(), smallest=1024)
     assert not _mapped(mapped.data) and torch.equal(mapped.data, weights["w"])
     assert (own.data_ptr(), small.data_ptr()) == kept  # already its own; too small to be worth a copy
+
+
+def _file_resident() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssFile:"))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_weight_copied_out_of_its_file_into_the_other_layout_is_exact_and_held_once(tmp_path, transposed):
+    """The copy a relayout makes, either way round, is exact; a plain weight's file pages leave the resident set
+    as its blocks are copied (a transposed view's blocks are no single range of memory: its pages are kept)."""
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    weight = torch.randn(768, 4096)  # 12 MiB
+    save_file({"w": weight}, tmp_path / "w.safetensors")
+    source = safe_open(str(tmp_path / "w.safetensors"), framework="pt").get_tensor("w")
+    source = source.t() if transposed else source
+    target = torch.empty(source.shape[::-1]).t()  # the other layout
+    assert _mapped(source) and float(source.sum()) == pytest.approx(float(weight.sum()), rel=1e-4)  # pages read in
+    before = _file_resident()
+    copy_out_of_file(source, target, file_mappings(), block_bytes=1 << 20)
+    assert torch.equal(target, weight.t() if transposed else weight)
+    if not transposed:
+        assert before - _file_resident() >= 0.95 * weight.numel() * 4
 
 
 def test_huge_pages_are_preferred_unless_the_environment_says_otherwise(monkeypatch):
