@@ -165,11 +165,14 @@ class PeerSummary:
 @dataclass
 class MemoryInfo:
     """A node's memory as its process sees it: the peak of its resident set (``VmHWM``) is what sizing
-    a machine must allow for; a GPU node also reports the peak its device allocated."""
+    a machine must allow for; ``runtime_rss_bytes`` its resident set before its first weight was read (the
+    Python runtime, torch and transformers: what the process costs beyond its weights); a GPU node also
+    reports the peak its device allocated."""
 
     peak_rss_bytes: int | None = None
     rss_bytes: int | None = None
     device_peak_bytes: int | None = None
+    runtime_rss_bytes: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryInfo:

@@ -142,13 +142,15 @@ class Mesh:
         return mesh_row(stats)
 
     def memory(self) -> list[dict]:
-        """Per node: its layers, the bytes of weights it holds, and its process's peak resident set so far."""
+        """Per node: its layers, the bytes of weights it holds, its process's peak resident set so far, and its
+        resident set before its first weight was read (its runtime)."""
         nodes = []
         for (layers, _), port, proc in zip(self.specs, self.ports, self.procs):
             status = self._request("GET", "/v1/status", port=port)
             nodes.append({"layers": layers, "dtype": status.get("dtype"),
                           "weights_bytes": sum(status["weights_bytes"].values()),
-                          "peak_rss_bytes": _peak_rss_bytes(proc.pid)})
+                          "peak_rss_bytes": _peak_rss_bytes(proc.pid),
+                          "runtime_rss_bytes": status.get("memory", {}).get("runtime_rss_bytes")})
         return nodes
 
     def stop(self) -> None:

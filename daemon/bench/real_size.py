@@ -161,4 +161,10 @@ def measure(shape: Shape, record: dict, folder: Path, tokens: int, threads: int 
             "node_weights_bytes": node["weights_bytes"],
             "peak_over_weights": (node["peak_rss_bytes"] / node["weights_bytes"]
                                   if node["peak_rss_bytes"] and node["weights_bytes"] else None),
+            "runtime_rss_bytes": node["runtime_rss_bytes"],
+            # the peak less the process before its weights (Python, torch, transformers: the same few hundred MiB
+            # whatever the model), over the weights: 1.0 where a node holds its weights once and nothing more
+            "rest_over_weights": ((node["peak_rss_bytes"] - node["runtime_rss_bytes"]) / node["weights_bytes"]
+                                  if node["peak_rss_bytes"] and node["runtime_rss_bytes"] and node["weights_bytes"]
+                                  else None),
             "load": os.getloadavg()[0]}

@@ -126,10 +126,8 @@ def check_targets(rows: list[dict], hidden_size: int, *, multiturn: Sequence[dic
         if shape["shape"] in TARGET_OF_FLOOR:
             check(f"{shape['shape']}: decode step at the read-bandwidth floor's time / the step's", shape["of_floor"],
                   TARGET_OF_FLOOR[shape["shape"]], at_least=True)
-        if not shape.get("quantize"):  # a quantizing node reads each float layer, and the LM head whole, as it
-            # quantizes it: on a few real-size layers that source is a large share of the 4-bit bytes (printed above)
-            check(f"{shape['shape']}: node peak resident set / its weights", shape["peak_over_weights"],
-                  TARGET_PEAK_OVER_WEIGHTS, at_least=False)
+        check(f"{shape['shape']}: node peak resident set / its weights", shape["peak_over_weights"],
+              TARGET_PEAK_OVER_WEIGHTS, at_least=False)
     for group in shared_prefix:
         if group["reuse"]:
             precision = group["precision"]
@@ -229,12 +227,16 @@ def _print_shapes(shapes: Sequence[dict]) -> None:
     print("real layer sizes, random weights, one meshd in bfloat16 (a row named int4 or int8: its layers so): its "
           "decode step against the read-bandwidth "
           "floor (the active weights' bytes at the faster of the machine's read rates just before and after each of "
-          "3 runs; the median round's ratio, rate and floor)")
+          "3 runs; the median round's ratio, rate and floor); the node's peak resident set, its runtime (the resident "
+          "set before its first weight was read), and the peak less the runtime over the weights")
     print(f"{'shape':<16} {'weights MiB':>11} {'active MiB':>10} {'GB/s':>5} {'floor ms':>8} {'step ms':>7} "
-          f"{'best ms':>7} {'of floor':>8} {'peak MiB':>8} {'peak/weights':>12} {'load':>5}  what")
+          f"{'best ms':>7} {'of floor':>8} {'peak MiB':>8} {'peak/weights':>12} {'runtime MiB':>11} "
+          f"{'rest/weights':>12} {'load':>5}  what")
     for s in shapes:
         print(f"{s['shape']:<16} {s['weights_bytes'] / 2**20:>11.0f} {s['active_bytes'] / 2**20:>10.0f} "
               f"{s['bandwidth_bytes_per_s'] / 1e9:>5.1f} {s['floor_ms']:>8.1f} {s['step_ms_median']:>7.1f} "
               f"{s['step_ms_best']:>7.1f} {s['of_floor']:>8.2f} "
               f"{_fmt(s['peak_rss_bytes'] and s['peak_rss_bytes'] / 2**20, '.0f', 8)} "
-              f"{_fmt(s['peak_over_weights'], '.2f', 12)} {s['load']:>5.2f}  {s['about']}")
+              f"{_fmt(s['peak_over_weights'], '.2f', 12)} "
+              f"{_fmt(s.get('runtime_rss_bytes') and s['runtime_rss_bytes'] / 2**20, '.0f', 11)} "
+              f"{_fmt(s.get('rest_over_weights'), '.2f', 12)} {s['load']:>5.2f}  {s['about']}")

@@ -51,8 +51,9 @@ class ShardService:
     def __init__(self, shard: ModelShard, store: SessionCacheStore, *, threads: int, share_cores: bool,
                  kv_cache: bool, on_step: StepObserver | None = None, max_batch: int = 1, step_tokens: int = 512,
                  on_batch: Callable[[int, list[float]], None] | None = None,
-                 executor: TorchThread | None = None) -> None:
+                 executor: TorchThread | None = None, runtime_rss_bytes: int | None = None) -> None:
         self.shard = shard
+        self.runtime_rss_bytes = runtime_rss_bytes  # the process before its first weight was read
         self.store = store
         self.start, self.end = shard.start, shard.end
         self.info = shard.info
@@ -92,7 +93,10 @@ class ShardService:
         if quantize:
             check_quantization(quantize, compute, where)
 
+        runtime: list[int | None] = []
+
         def load() -> ModelShard:
+            runtime.append(_proc_status_bytes("VmRSS"))
             torch.set_num_threads(threads)
             shard = ModelShard(folder, start, end, head=start == 0, kv_cache=kv_cache, sessions=store,
                                dtype=compute, device=where, quantize=quantize)
@@ -112,7 +116,8 @@ class ShardService:
             executor.shutdown(wait=False)
             raise
         return cls(shard, store, threads=threads, share_cores=share_cores, kv_cache=kv_cache, on_step=on_step,
-                   max_batch=max_batch, step_tokens=step_tokens, on_batch=on_batch, executor=executor)
+                   max_batch=max_batch, step_tokens=step_tokens, on_batch=on_batch, executor=executor,
+                   runtime_rss_bytes=runtime[0])
 
     @property
     def dtype(self) -> str:
@@ -300,11 +305,12 @@ class ShardService:
     # ---- what the node reports ----------------------------------------------------------------
 
     def memory(self) -> MemoryInfo:
-        """This process's peak and current resident memory, and the device's peak where it has its own."""
+        """This process's peak and current resident memory and what it held before its weights, and the
+        device's peak where it has its own."""
         device = self.shard.device
         device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         return MemoryInfo(peak_rss_bytes=_proc_status_bytes("VmHWM"), rss_bytes=_proc_status_bytes("VmRSS"),
-                          device_peak_bytes=device_peak)
+                          device_peak_bytes=device_peak, runtime_rss_bytes=self.runtime_rss_bytes)
 
     # ---- sessions ----------------------------------------------------------------------------
 

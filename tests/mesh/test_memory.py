@@ -78,6 +78,11 @@ def test_a_node_peaks_at_its_layers_bytes_in_bfloat16(synthetic_bfloat16, tmp_pa
     # each node reports the same peak as /proc saw (its own reading came a moment earlier, so no higher)
     assert small["memory"]["peak_rss_bytes"] <= small_peak
     assert large["memory"]["peak_rss_bytes"] >= large["memory"]["rss_bytes"] > large["weights_bytes"]["layers"]
+    # each reports its runtime, read before its first weight: the same whatever the layers, and its weights on top
+    runtimes = [small["memory"]["runtime_rss_bytes"], large["memory"]["runtime_rss_bytes"]]
+    assert max(runtimes) < 1.1 * min(runtimes)
+    for peak, status in ((small_peak, small), (large_peak, large)):
+        assert peak - status["memory"]["runtime_rss_bytes"] >= status["weights_bytes"]["layers"]
 
 
 @pytest.mark.slow

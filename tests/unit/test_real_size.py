@@ -84,3 +84,6 @@ def test_each_round_sets_its_steps_against_the_bandwidth_read_around_it(tmp_path
     assert row["bandwidth_bytes_per_s"] == (20e9, 40e9, 5e9)[middle]
     assert row["floor_ms"] == pytest.approx(record["active_bytes"] / row["bandwidth_bytes_per_s"] * 1000.0)
     assert row["peak_over_weights"] is not None and row["step_ms_median"] > 0
+    assert 0 < row["runtime_rss_bytes"] < row["peak_rss_bytes"]  # the node's own reading, before its weights
+    assert row["rest_over_weights"] == pytest.approx(
+        (row["peak_rss_bytes"] - row["runtime_rss_bytes"]) / row["node_weights_bytes"])
