@@ -3,12 +3,13 @@ without computing anything again.
 
 On SIGTERM (``daemon.cli.serve_until_stopped``) a node:
 
-1. picks, for each live session it serves for another head, an up peer that keeps caches and runs this node's
+1. holds the steps that arrive from now on (the drain middleware asks :meth:`Handover.moved_to`);
+2. waits for the steps already under way: a prefill among them makes a session that moves too;
+3. picks, for each live session it serves for another head, an up peer that keeps caches and runs this node's
    layers from the session's first layer to this node's end (the least busy);
-2. holds the steps of those sessions that arrive meanwhile (the drain middleware asks :meth:`Handover.moved_to`);
-3. waits for the steps already under way, then sends each session's cache (``POST /v1/sessions/{id}/import``,
-   the bytes of :mod:`daemon.model.migration`, with the mesh's token) and drops it here once the peer stored it;
-4. answers each held or later step of a handed-on session with a 503 naming the peer (``moved_to``), and names
+4. sends each session's cache (``POST /v1/sessions/{id}/import``, the bytes of :mod:`daemon.model.migration`, with
+   the mesh's token) and drops it here once the peer stored it;
+5. answers each held or later step of a handed-on session with a 503 naming the peer (``moved_to``), and names
    them all in its leaving announcement (``"moved"``), so the heads go on there (``GenerationLoop._replace_span``).
 
 A session with no such peer, one that cannot move (linear attention, a sliding window), or one whose transfer
@@ -45,27 +46,31 @@ class Handover:
         self._peers = peers
         self._steps_in_flight = steps_in_flight  # /forward requests taken before the drain began, not yet answered
         self._moving: dict[str, asyncio.Future] = {}
+        self._settled: asyncio.Future | None = None  # done once the steps under way at the drain have ended
         self.moved: dict[str, str] = {}
 
     async def run(self, http: aiohttp.ClientSession, *, keep: set[str]) -> dict[str, str]:
         """Hand every live session but those in ``keep`` (this node's own generations) to a node taking its layers
-        over; the sessions moved, by id."""
-        takers = {e.session_id: self._taker(e.start_layer) for e in self._service.store.entries()
-                  if not e.retained and e.session_id not in keep}
-        takers = {session_id: url for session_id, url in takers.items() if url is not None}
-        if not takers:
-            return {}
+        over; the sessions moved, by id. The steps under way end first: a session one of them makes (a prefill)
+        moves with the others, and a step arriving meanwhile waits to learn where its session went."""
         loop = asyncio.get_running_loop()
-        self._moving = {session_id: loop.create_future() for session_id in takers}  # before any await
+        self._settled = loop.create_future()  # before any await: the drain middleware holds steps from now
         started = time.monotonic()
         try:
             await self._settle()
+            takers = {e.session_id: self._taker(e.start_layer) for e in self._service.store.entries()
+                      if not e.retained and e.session_id not in keep}
+            takers = {session_id: url for session_id, url in takers.items() if url is not None}
+            self._moving = {session_id: loop.create_future() for session_id in takers}
+            self._settled.set_result(None)
+            if not takers:
+                return {}
             for session_id, url in takers.items():
                 if await self._send(http, session_id, url):
                     self.moved[session_id] = url
                 self._moving[session_id].set_result(self.moved.get(session_id))
         finally:
-            for future in self._moving.values():
+            for future in (self._settled, *self._moving.values()):
                 if not future.done():
                     future.set_result(None)
         log.info("handed %d of %d session(s) to the nodes taking this one's layers over, in %.2f s", len(self.moved),
@@ -73,8 +78,10 @@ class Handover:
         return dict(self.moved)
 
     async def moved_to(self, session_id: str | None) -> str | None:
-        """The node ``session_id`` went to, once its transfer is done (a step of it waits for that); None: it
-        stays here."""
+        """The node ``session_id`` went to, once the steps under way have ended and its transfer is done (a step of
+        it waits for both); None: it stays here."""
+        if self._settled is not None:
+            await asyncio.shield(self._settled)
         future = self._moving.get(session_id) if session_id else None
         return await asyncio.shield(future) if future is not None else None
 

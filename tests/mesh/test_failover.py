@@ -329,6 +329,42 @@ def test_a_draining_replica_hands_its_session_over_and_the_stream_goes_on_comput
         stop_all(daemons)
 
 
+def test_a_session_made_by_a_prefill_under_way_when_the_drain_begins_is_handed_over_too(
+        default_model, tmp_path, reference_tokens):
+    """SIGTERM reaches the replica while it still holds a stream's prefill (its session not made yet): the drain
+    waits for that step, then hands the session it made over with the others, and the head goes on at the taker
+    without replaying anything."""
+    import signal
+
+    r2 = start(default_model, "15-29", tmp_path, variant="slow-prefill-3000")
+    r1 = start(default_model, "15-29", tmp_path, variant="slow-prefill-3000", peers=[r2])
+    head = start(default_model, "0-14", tmp_path, peers=[r1])
+    daemons = [head, r1, r2]
+    try:
+        for d in daemons:
+            d.wait_ready()
+        for d in daemons:  # each replica knows the other: either may hand its sessions over
+            d.wait_peers(2)
+        stream = Stream(head, request(max_tokens=12))
+        deadline = time.monotonic() + 30
+        while not (holding := [r for r in (r1, r2) if "holding a prefill" in r.log()]):
+            assert time.monotonic() < deadline, "no replica took the prefill"
+            time.sleep(0.02)
+        victim = holding[0]
+        survivor = r2 if victim is r1 else r1
+        victim.proc.send_signal(signal.SIGTERM)
+
+        stats = stream.finish()
+        assert victim.proc.wait(timeout=30) == 0
+        assert "error" not in stats, stats
+        assert stats["token_ids"] == reference_tokens(PROMPT, 12, ignore_eos=True)
+        assert (stats["moved_sessions"], stats["span_replays"], stats["reprefills"]) == (1, 0, 0), \
+            {k: v for k, v in stats.items() if k not in ("token_ids", "step_ms", "sampling")}
+        assert "handed to " + survivor.url in victim.log()
+    finally:
+        stop_all(daemons)
+
+
 def test_a_rolling_restart_of_the_replicas_moves_every_stream_without_a_re_prefill(default_model, tmp_path,
                                                                                      reference_tokens):
     """Four streams through a head (0-14) and two replicas of 15-29, each step there 150 ms slower so the streams

@@ -2,6 +2,8 @@
 
     python -m tests.support.meshd_variants legacy-tail <meshd options>   # a tail from before token ids: text only
     python -m tests.support.meshd_variants slow-300 <meshd options>      # every /forward step answers 300 ms later
+    python -m tests.support.meshd_variants slow-prefill-3000 <meshd options>  # every prefill step 3 s later, saying
+                                                                         # "holding a prefill" on stderr as it waits
     python -m tests.support.meshd_variants no-prefix <meshd options>     # a node from before prefix reuse
     python -m tests.support.meshd_variants forgetful <meshd options>     # loses a session every 4th decode step of
                                                                          # a request whose X-Request-Id starts "forget-"
@@ -75,6 +77,20 @@ def slow(milliseconds: int):
     return delay
 
 
+def slow_prefill(milliseconds: int):
+    """Take every prefill step this much later, with a line on stderr as it starts waiting (a test can act while a
+    step is under way but has made nothing yet)."""
+
+    @web.middleware
+    async def delay(request: web.Request, handler):
+        if request.path == "/forward" and request.headers.get(CACHE) == "prefill":
+            print("test variant: holding a prefill", file=sys.stderr, flush=True)
+            await asyncio.sleep(milliseconds / 1000.0)
+        return await handler(request)
+
+    return delay
+
+
 @web.middleware
 async def no_speculation(request: web.Request, handler):
     """A node from before speculative decoding: its status says nothing of verify steps."""
@@ -97,7 +113,10 @@ def middleware_for(variant: str):
         return no_speculation
     if variant.startswith("slow-") and variant[5:].isdigit():
         return slow(int(variant[5:]))
-    raise SystemExit(f"unknown variant {variant!r}: legacy-tail, no-prefix, forgetful, no-speculation or slow-MS")
+    if variant.startswith("slow-prefill-") and variant[13:].isdigit():
+        return slow_prefill(int(variant[13:]))
+    raise SystemExit(f"unknown variant {variant!r}: legacy-tail, no-prefix, forgetful, no-speculation, slow-MS or "
+                     "slow-prefill-MS")
 
 
 def main(argv: list[str]) -> int:
