@@ -225,3 +225,31 @@ def test_fetch_model_json_answers_a_gguf_s_layer_count(default_model, capsys):
 def test_fetch_model_without_json_says_it_only_in_prose(default_model, capsys):
     assert main(["fetch-model", "--model", str(default_model)]) == 0
     assert capsys.readouterr().out == ""
+
+
+def test_a_node_loads_with_the_collector_off_and_serves_with_it_on(monkeypatch):
+    """Loading makes millions of lasting objects: the cyclic collector is off meanwhile, and on again (with what
+    loading made frozen out of its passes) once the node serves, or once a refused load has said why."""
+    import gc
+
+    from daemon import cli
+
+    seen = []
+
+    def load_node(argv):
+        seen.append(("loading", gc.isenabled()))
+        if argv == ["--refused"]:
+            raise cli.Refused("no", 2)
+        return "node"
+
+    monkeypatch.setattr(cli, "load_node", load_node)
+    monkeypatch.setattr(cli, "node_app", lambda node: f"app of {node}")
+    monkeypatch.setattr(cli, "run", lambda app, node: seen.append(("serving", gc.isenabled(), app)) or 0)
+    try:
+        assert cli.serve([]) == 0
+        assert cli.serve(["--refused"]) == 2
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert seen == [("loading", False), ("serving", True, "app of node"), ("loading", False)]
+    assert gc.isenabled()
