@@ -122,6 +122,7 @@ def test_a_node_of_fused_experts_holds_them_once(synthetic_moe, tmp_path):
 
 
 
+@pytest.mark.slow  # two fresh processes loading a model: 12 s
 @pytest.mark.parametrize("quantize, imported", [((), False), (("--quantize", "int8"), True)])
 def test_only_an_int8_node_imports_torchao(tiny_model, quantize, imported):
     """transformers would import torchao as it loads any model wherever torchao is installed; a node tells it
