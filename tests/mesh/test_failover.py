@@ -290,6 +290,22 @@ def test_a_failover_keeps_penalties_and_logprobs_exact(replicas, reference_model
     assert [e["logprob"] for e in content] == pytest.approx([float(r[i]) for r, i in zip(rows, expected)], abs=1e-3)
 
 
+def replicas_that_drain(model, log_dir, variant: str) -> tuple[Daemon, Daemon, Daemon]:
+    """(head, r1, r2), started: a head hosting 0-14 told of r1, and two replicas of 15-29 as meshd's ``variant``,
+    r1 told of r2."""
+    r2 = start(model, "15-29", log_dir, variant=variant)
+    r1 = start(model, "15-29", log_dir, variant=variant, peers=[r2])
+    return start(model, "0-14", log_dir, peers=[r1]), r1, r2
+
+
+def wait_meshed(daemons) -> None:
+    """Every node serving and seeing the other two: either replica may hand its sessions to the other."""
+    for d in daemons:
+        d.wait_ready()
+    for d in daemons:
+        d.wait_peers(len(daemons) - 1)
+
+
 def test_a_draining_replica_hands_its_session_over_and_the_stream_goes_on_computing_nothing_again(
         default_model, tmp_path, reference_tokens):
     """SIGTERM to the replica serving a stream: it sends the session's cache to the other replica, names it in its
@@ -297,14 +313,9 @@ def test_a_draining_replica_hands_its_session_over_and_the_stream_goes_on_comput
     a malformed transfer to the taker is refused in one line while it keeps serving."""
     import signal
 
-    r2 = start(default_model, "15-29", tmp_path, variant="slow-40")
-    r1 = start(default_model, "15-29", tmp_path, variant="slow-40", peers=[r2])
-    head = start(default_model, "0-14", tmp_path, peers=[r1])
-    daemons = [head, r1, r2]
+    daemons = head, r1, r2 = replicas_that_drain(default_model, tmp_path, "slow-40")
     try:
-        for d in daemons:
-            d.wait_ready()
-        head.wait_peers(2)
+        wait_meshed(daemons)
         stream = Stream(head, request(max_tokens=48))
         stream.read_tokens(6)
         victim, survivor = (r1, r2) if holds_session(r1, stream.session_id) else (r2, r1)
@@ -336,15 +347,9 @@ def test_a_session_made_by_a_prefill_under_way_when_the_drain_begins_is_handed_o
     without replaying anything."""
     import signal
 
-    r2 = start(default_model, "15-29", tmp_path, variant="slow-prefill-3000")
-    r1 = start(default_model, "15-29", tmp_path, variant="slow-prefill-3000", peers=[r2])
-    head = start(default_model, "0-14", tmp_path, peers=[r1])
-    daemons = [head, r1, r2]
+    daemons = head, r1, r2 = replicas_that_drain(default_model, tmp_path, "slow-prefill-3000")
     try:
-        for d in daemons:
-            d.wait_ready()
-        for d in daemons:  # each replica knows the other: either may hand its sessions over
-            d.wait_peers(2)
+        wait_meshed(daemons)
         stream = Stream(head, request(max_tokens=12))
         deadline = time.monotonic() + 30
         while not (holding := [r for r in (r1, r2) if "holding a prefill" in r.log()]):
