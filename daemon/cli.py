@@ -129,10 +129,6 @@ def load_node(argv: list[str]):
     args = _serve_parser().parse_args(argv)
     from pathlib import Path
 
-    from daemon.model.quantize import keep_torchao_unloaded
-
-    keep_torchao_unloaded()
-
     try:
         config = load_config(
             {k: v for k, v in vars(args).items() if k != "config"},
@@ -172,6 +168,9 @@ def load_node(argv: list[str]):
     # (10,000-50,000) measured no better in a co-located mesh (docs/adr/0032-no-shorter-openmp-spins.md).
     os.environ.setdefault("GOMP_SPINCOUNT", str(GOMP_SPINS))
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    from daemon.model.quantize import keep_torchao_unloaded  # imports torch: after the two above
+
+    keep_torchao_unloaded()
 
     from daemon.model.device import dtype_name, resolve_device, resolve_dtype
 

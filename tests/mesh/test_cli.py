@@ -253,3 +253,27 @@ def test_a_node_loads_with_the_collector_off_and_serves_with_it_on(monkeypatch):
         gc.unfreeze()
     assert seen == [("loading", False), ("serving", True, "app of node"), ("loading", False)]
     assert gc.isenabled()
+
+
+@pytest.mark.slow  # a fresh process loading a model: 6 s
+def test_torch_is_first_imported_after_meshd_has_set_openmps_environment(tiny_model):
+    """libgomp reads ``GOMP_SPINCOUNT`` and ``OMP_NUM_THREADS`` once, as torch loads it: meshd sets them before
+    anything it loads imports torch."""
+    program = """
+import os, sys
+seen = {}
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and "torch" not in seen:
+            seen["torch"] = (os.environ.get("GOMP_SPINCOUNT"), os.environ.get("OMP_NUM_THREADS"))
+        return None
+sys.meta_path.insert(0, Watch())
+from daemon.cli import GOMP_SPINS, load_node
+load_node(sys.argv[1:])
+print(seen["torch"] == (str(GOMP_SPINS), "1"))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    result = subprocess.run([sys.executable, "-c", program, "--model", str(tiny_model("llama")), "--threads", "1"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "True"
