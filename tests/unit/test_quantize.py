@@ -214,3 +214,34 @@ def test_int8_is_refused_on_a_device_without_the_kernel():
 def test_layers_without_linear_are_refused():
     with pytest.raises(ModelUnavailable, match="no nn.Linear to quantize"):
         quantize_layers([nn.Sequential(nn.LayerNorm(8))], "int8")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5_moe"])
+def test_the_float_weights_a_load_quantizes_are_freed_without_a_collection(tiny_model, monkeypatch, method, arch):
+    """A node loads with the cyclic collector off (meshd) and collects nothing between layers: every linear a
+    quantizer replaces, and its float weight, must go as it is dropped, not wait in a reference cycle."""
+    import gc
+    import weakref
+
+    from daemon.model import quantize
+
+    replaced: list[weakref.ref] = []
+    real = quantize.quantize_layers
+
+    def watched(layers, how):
+        replaced.extend(weakref.ref(t) for layer in layers for m in layer.modules() if type(m) is nn.Linear
+                        for t in (m, m.weight))
+        real(layers, how)
+
+    monkeypatch.setattr(quantize, "quantize_layers", watched)
+    monkeypatch.setattr(gc, "collect", lambda *args: pytest.fail("the load collected"))
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        shard = ModelShard(tiny_model(arch), 0, 2, head=True, kv_cache=False, dtype=torch.bfloat16, quantize=method)
+        assert replaced and [r for r in replaced if r() is not None] == []
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert not any(type(m) is nn.Linear for layer in shard.model.model.layers[:2] for m in layer.modules())
