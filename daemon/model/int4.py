@@ -109,10 +109,11 @@ class Int4WeightLinear(nn.Module):
     to cast activations fails loudly instead of casting them to uint8.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, mappings: list[tuple[int, int]] | None = None) -> None:
+        """``linear``'s weight quantized (:func:`quantize`, with ``mappings``)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed, scale = quantize(linear.weight)
+        packed, scale = quantize(linear.weight, mappings)
         self.weight_q4 = nn.Parameter(packed, requires_grad=False)  # [out, in / 2] uint8
         self.scale = nn.Parameter(scale, requires_grad=False)  # [out, in / 32] float16
         self.bias = linear.bias

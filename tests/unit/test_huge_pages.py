@@ -72,6 +72,32 @@ def test_a_weight_copied_out_of_its_file_into_the_other_layout_is_exact_and_held
         assert before - _file_resident() >= 0.95 * weight.numel() * 4
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_linears_let_go_of_their_file_pages_reading_the_mappings_once(tmp_path, monkeypatch, method):
+    """A layer's linears read from a checkpoint's mapping, quantized: each one's file pages leave the resident set,
+    and the process's mappings are read once for the layer, not once a linear (4 ms a read on a 2-core Xeon VM)."""
+    from safetensors import safe_open
+
+    from daemon.model import quantize
+
+    torch.manual_seed(0)
+    weights = {f"w{i}": torch.randn(512, 2048) for i in range(3)}  # 4 MiB each
+    save_file(weights, tmp_path / "w.safetensors")
+    handle = safe_open(str(tmp_path / "w.safetensors"), framework="pt")
+    layer = torch.nn.Sequential(*(torch.nn.Linear(2048, 512, bias=False) for _ in weights))
+    for linear, name in zip(layer, weights):
+        linear.weight = torch.nn.Parameter(handle.get_tensor(name), requires_grad=False)
+        assert _mapped(linear.weight) and float(linear.weight.sum()) == pytest.approx(float(weights[name].sum()))
+    quantize.quantize_layers([torch.nn.Sequential(torch.nn.Linear(64, 32))], method)  # its imports read in before
+    reads = []
+    monkeypatch.setattr(quantize, "file_mappings", lambda: reads.append(1) or file_mappings())
+    before = _file_resident()
+    quantize.quantize_layers([layer], method)
+    assert len(reads) == 1
+    assert before - _file_resident() >= 0.95 * sum(w.numel() * 4 for w in weights.values())
+    assert all(type(m) is not torch.nn.Linear for m in layer)
+
+
 def test_huge_pages_are_preferred_unless_the_environment_says_otherwise(monkeypatch):
     monkeypatch.delenv(TORCH_HUGE_PAGES, raising=False)
     assert not huge_pages_preferred()
