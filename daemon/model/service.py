@@ -93,10 +93,9 @@ class ShardService:
         if quantize:
             check_quantization(quantize, compute, where)
 
-        runtime: list[int | None] = []
+        runtime = _proc_status_bytes("VmRSS")  # the process before its first weight is read
 
         def load() -> ModelShard:
-            runtime.append(_proc_status_bytes("VmRSS"))
             torch.set_num_threads(threads)
             shard = ModelShard(folder, start, end, head=start == 0, kv_cache=kv_cache, sessions=store,
                                dtype=compute, device=where, quantize=quantize)
@@ -117,7 +116,7 @@ class ShardService:
             raise
         return cls(shard, store, threads=threads, share_cores=share_cores, kv_cache=kv_cache, on_step=on_step,
                    max_batch=max_batch, step_tokens=step_tokens, on_batch=on_batch, executor=executor,
-                   runtime_rss_bytes=runtime[0])
+                   runtime_rss_bytes=runtime)
 
     @property
     def dtype(self) -> str:
