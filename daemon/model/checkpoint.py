@@ -250,8 +250,10 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
             raise ModelUnavailable(f"could not load weights from {folder}: {problems}")
         del handles, state_dict
         layer = model.model.layers[int(group)] if group.isdigit() else None
+        mappings = None  # the files' mappings, read once for this layer's quantizers and own_memory below
         if layer is not None and quantize:
-            quantize_layers([layer], quantize)
+            mappings = file_mappings()
+            quantize_layers([layer], quantize, mappings)
         # A layer whose checkpoint tensors were fused (MoE experts, qkv) or quantized holds new memory: its other
         # weights still in the file are copied too, so nothing keeps this group's file mapped, and the pages the
         # new tensors were read from leave the resident set (else they stay counted beside them until the node
@@ -260,7 +262,8 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
         # stream through 4 KiB pages at every step (ADR-0047).
         fused = layer is not None and sum(len(k) for k in keys_by_file.values()) > sum(1 for _ in layer.parameters())
         if layer is not None and (quantize or fused or huge_pages_preferred()):
-            own_memory(layer.parameters(), file_mappings(), smallest=0 if quantize or fused else HUGE_PAGES_FROM)
+            own_memory(layer.parameters(), mappings if mappings is not None else file_mappings(),
+                       smallest=0 if quantize or fused else HUGE_PAGES_FROM)
             # the float weights a quantizer replaced are freed as it drops them (no reference cycle holds them,
             # tests/unit/test_quantize.py): no collection here, which took 0.15-0.9 s a layer
             return_freed_memory()  # what fusing and casting left in the C heap

@@ -84,16 +84,18 @@ def quantize_head(model: nn.Module, method: str) -> None:
     model.lm_head = Int8WeightLinear(head)
 
 
-def quantize_layers(layers: list[nn.Module], method: str) -> None:
-    """Quantize, in place, the weights of every ``nn.Linear`` inside ``layers`` with ``method``."""
+def quantize_layers(layers: list[nn.Module], method: str, mappings: list[tuple[int, int]] | None = None) -> None:
+    """Quantize, in place, the weights of every ``nn.Linear`` inside ``layers`` with ``method``, letting go of the
+    file pages (in ``mappings``, this process's file mappings read once by default) their rows were read from."""
     linears = [(layer, name) for layer in layers for name, m in layer.named_modules() if isinstance(m, nn.Linear)]
     if not linears:
         raise ModelUnavailable(f"{method} weights: these layers have no nn.Linear to quantize")
     weight = linears[0][0].get_submodule(linears[0][1]).weight
     check_quantization(method, weight.dtype, weight.device)
-    # the checkpoint files' mappings, read once (a read of /proc/self/maps took 4 ms on a 2-core Xeon VM, and a
-    # 30-layer node has 210 linears): each quantizer lets go of the file pages its rows were read from
-    mappings = file_mappings() if weight.device.type == "cpu" else []
+    # read once, not once a linear (a read of /proc/self/maps took 4 ms on a 2-core Xeon VM, and a 30-layer node
+    # has 210 linears)
+    if mappings is None:
+        mappings = file_mappings() if weight.device.type == "cpu" else []
     if method == "int4":
         _quantize_int4(layers, linears, mappings)
         return

@@ -133,4 +133,3 @@ def test_only_an_int8_node_imports_torchao(tiny_model, quantize, imported):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-1] == str(imported)
-

@@ -230,10 +230,10 @@ def test_the_float_weights_a_load_quantizes_are_freed_without_a_collection(tiny_
     replaced: list[weakref.ref] = []
     real = quantize.quantize_layers
 
-    def watched(layers, how):
+    def watched(layers, how, *rest):
         replaced.extend(weakref.ref(t) for layer in layers for m in layer.modules() if type(m) is nn.Linear
                         for t in ((m.weight,) if how == "int8-torchao" else (m, m.weight)))
-        real(layers, how)
+        real(layers, how, *rest)
 
     monkeypatch.setattr(quantize, "quantize_layers", watched)
     monkeypatch.setattr(gc, "collect", lambda *args: pytest.fail("the load collected"))
