@@ -29,6 +29,7 @@ from daemon.model.batching import (
     head_rows,
 )
 from daemon.model.decode import MAX_ROWS, REDUCED_DTYPES, FastDecoder, float_attention
+from daemon.model.rotary import RotaryTable
 
 # Which mask each attention type gets, as the models' own forwards build them.
 MASK_BUILDERS = {
@@ -59,6 +60,7 @@ class DecoderLayers:
         # Gemma 4 layers hand their keys and values to later layers
         self._layers_share_kv = "shared_kv_states" in inspect.signature(type(self._layers[0]).forward).parameters
         self._attention_configs = attention_configs(self._layers[start:end])  # switched for batched steps
+        self._rotary_table = RotaryTable(model.model.rotary_emb, per_type=self._rotary_per_type)
         self._fast: FastDecoder | None = None  # bound at the first one-position step, after loading and plans
         # one-position steps of Llama-family layers in float32 run natively (decode.NativeSteps): set where the
         # node plans its kernels, as another kernel's arithmetic is within rounding of transformers' own
@@ -81,15 +83,17 @@ class DecoderLayers:
     def run_layers(self, hidden: torch.Tensor, *, start_layer: int, past_len: int, cache) -> torch.Tensor:
         """Run layers ``[start_layer, end)`` over ``hidden [1, T, hidden]`` at positions ``past_len..``."""
         q_len = hidden.shape[1]
+        if q_len == 1:
+            fast = self.fast_decoder()
+            if fast.fits(start_layer) and fast.cache_fits(cache, start_layer, past_len):
+                # SDPA full-attention layers (the only ones it binds): one position attends to every one before
+                # it and to itself, for which the mask builders answer None, so no mask is built
+                return fast.run(hidden, self._rotary_at(hidden, past_len), cache, start_layer)
         position_ids = torch.arange(past_len, past_len + q_len, device=hidden.device).unsqueeze(0)  # [1, T]
         hosted = range(start_layer, self.end)
         types = self.layer_types
         masks = self._masks(hidden, position_ids, cache, hosted)
         position_embeddings = self._rotary(hidden, position_ids, {types[i] for i in hosted})
-        if q_len == 1 and not any(m is not None for m in masks.values()):
-            fast = self.fast_decoder()
-            if fast.fits(start_layer) and fast.cache_fits(cache, start_layer, past_len):
-                return fast.run(hidden, position_embeddings["full_attention"], cache, start_layer)
         layers = self._layers
         # stateless calls pass no cache arguments at all: layers that reject them still run
         cache_kwargs = {"cache": cache, "use_cache": True} if cache is not None else {}
@@ -166,6 +170,14 @@ class DecoderLayers:
         if self.native_steps and hidden.dtype in REDUCED_DTYPES and hidden.device.type == "cpu":
             return float_attention(self._attention_configs)
         return contextlib.nullcontext()
+
+    def _rotary_at(self, hidden: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[1, 1, head_dim]``, for one position of the one rotary embedding."""
+        found = self._rotary_table.at(hidden, position)
+        if found is not None:
+            return found
+        position_ids = torch.tensor([[position]], device=hidden.device)
+        return self._rotary(hidden, position_ids, {"full_attention"})["full_attention"]
 
     def _rotary(self, hidden: torch.Tensor, position_ids: torch.Tensor, layer_types: set[str]) -> dict:
         """Rotary embeddings (cos, sin) once per call, per layer type where the model has one per type (Gemma 3)."""

@@ -11,6 +11,8 @@ import torch
 from daemon.model.device import DTYPES
 from daemon.wire import Activation
 
+_NUMPY_DTYPES = (torch.float32, torch.float16)  # numpy has these; bfloat16 goes through bytes
+
 
 def to_tensor(activation: Activation, *, compute_dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> torch.Tensor:
@@ -23,7 +25,13 @@ def to_tensor(activation: Activation, *, compute_dtype: torch.dtype = torch.floa
 def to_activation(tensor: torch.Tensor, *, dtype: str = "float32") -> Activation:
     """Raw little-endian bytes of ``tensor`` cast to the wire ``dtype``, in host memory, without copying them
     again. The bytes are a view of the (cast, contiguous, host) tensor, which the view keeps alive."""
-    wire = tensor.detach().to(DTYPES[dtype]).cpu().contiguous()
+    want = DTYPES[dtype]
+    if tensor.dtype == want and tensor.device.type == "cpu" and tensor.is_contiguous() and want in _NUMPY_DTYPES:
+        # a decode step's reply, already in its wire dtype: one call, not six (each costs microseconds when the
+        # code runs cold after a step's layers, once per hop per token)
+        data = memoryview(tensor.detach().numpy()).cast("B") if tensor.numel() else b""
+        return Activation(dtype=dtype, shape=tuple(tensor.shape), data=data)
+    wire = tensor.detach().to(want).cpu().contiguous()
     data = memoryview(wire.view(torch.uint8).reshape(-1).numpy()) if wire.numel() else b""
     return Activation(dtype=dtype, shape=tuple(wire.shape), data=data)
 

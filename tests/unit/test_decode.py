@@ -61,6 +61,26 @@ def test_the_fast_path_is_bitwise_the_layers_own_forward(tiny_model, monkeypatch
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("arch, end, masked", [("llama", 4, 0), ("qwen2", 4, STEPS)])
+def test_a_step_on_the_path_builds_no_attention_mask(tiny_model, monkeypatch, arch, end, masked):
+    """The path's one position attends to every position before it, which the mask builders answer with None: its
+    steps skip building one. Layers off the path (the tiny Qwen2's sliding windows) still get theirs every step."""
+    from daemon.model.layers import DecoderLayers
+
+    shard = ModelShard(tiny_model(arch), 0, end, sessions=SessionCacheStore())
+    built = []
+    real_masks = DecoderLayers._masks
+
+    def counted(self, *args, **kwargs):
+        built.append(1)
+        return real_masks(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderLayers, "_masks", counted)
+    _, runs = _decode(shard, 0, fast=True, monkeypatch=monkeypatch)
+    assert runs == (STEPS if arch == "llama" else 0)
+    assert len(built) == 1 + masked  # the prompt's, then one per step off the path
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "gemma3_text"])
 def test_layers_it_does_not_know_run_their_own_forward(tiny_model, monkeypatch, arch):
     """Qwen3 normalises queries and keys, Gemma 3 and the Qwen2 with windows slide: all their own forward."""
