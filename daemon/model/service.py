@@ -93,7 +93,7 @@ class ShardService:
         if quantize:
             check_quantization(quantize, compute, where)
 
-        runtime = _proc_status_bytes("VmRSS")  # the process before its first weight is read
+        runtime = _proc_status_bytes("VmRSS")["VmRSS"]  # the process before its first weight is read
 
         def load() -> ModelShard:
             torch.set_num_threads(threads)
@@ -308,7 +308,10 @@ class ShardService:
         device's peak where it has its own."""
         device = self.shard.device
         device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        return MemoryInfo(peak_rss_bytes=_proc_status_bytes("VmHWM"), rss_bytes=_proc_status_bytes("VmRSS"),
+        # one reading: the kernel gives both at one instant, the peak never under the resident set (two readings
+        # could see the set grow between them, past the peak read first)
+        rss = _proc_status_bytes("VmHWM", "VmRSS")
+        return MemoryInfo(peak_rss_bytes=rss["VmHWM"], rss_bytes=rss["VmRSS"],
                           device_peak_bytes=device_peak, runtime_rss_bytes=self.runtime_rss_bytes)
 
     # ---- sessions ----------------------------------------------------------------------------
@@ -397,16 +400,19 @@ class _Chunks:
         self.parts.clear()
 
 
-def _proc_status_bytes(field: str) -> int | None:
-    """A ``kB`` line of /proc/self/status in bytes (``VmHWM``: the peak resident set); None where there is none."""
+def _proc_status_bytes(*fields: str) -> dict[str, int | None]:
+    """``kB`` lines of /proc/self/status in bytes, from one reading (``VmHWM``: the peak resident set); None for a
+    field there is none of."""
+    found: dict[str, int | None] = dict.fromkeys(fields)
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+                name, _, value = line.partition(":")
+                if name in found:
+                    found[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
         pass
-    return None
+    return found
 
 
 def torch_thread() -> TorchThread:
