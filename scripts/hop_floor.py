@@ -61,8 +61,8 @@ def _stepper(start: int, end: int, quantize: str | None):
     import torch
 
     from daemon.kvstore import SessionCacheStore
-    from daemon.model.shard import ModelShard
     from daemon.model.quantize import keep_torchao_unloaded
+    from daemon.model.shard import ModelShard
     from daemon.model.source import fetch_default_model
 
     keep_torchao_unloaded()  # as meshd: int8 and int4 do not need it
