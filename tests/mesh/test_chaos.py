@@ -1,6 +1,7 @@
 """Churn as it comes: 16 nodes (4 layer ranges x 4 replicas) serving 8 streams while nodes die and come back (90
 tokens each), then while half the workers are restarted, one of each range at a time (130 tokens each: the streams
-outlast both rounds of restarts).
+outlast both rounds of restarts). Each kill and each restart takes the node holding the most sessions: the router
+may send every stream through the same replicas, and churn elsewhere would break nothing.
 
 The workers know only the head (they join by announcing). Every answer must be ``generate``'s; through the
 rolling restart, where every draining node hands its sessions to a replica, no answer may re-prefill for it.
@@ -91,6 +92,11 @@ def summary(what: str, results: dict[int, dict]) -> str:
     return f"{what}: {len(results)} of {STREAMS} answers generate's; {counts}; tok/s per stream {rates}"
 
 
+def sessions_held(daemon: Daemon) -> int:
+    """How many sessions' caches the node holds now."""
+    return len(daemon.get("/v1/sessions")["sessions"])
+
+
 def answers(daemon: Daemon) -> bool:
     try:
         return send("GET", daemon.url + "/health", timeout=0.5).status == 200
@@ -122,8 +128,9 @@ def test_eight_streams_come_through_a_node_killed_every_four_seconds(mesh, refer
                 # never the last node serving its range: the head serves 0-7 throughout
                 victims = [w for w in serving if w.layers == RANGES[0]
                            or sum(o.layers == w.layers for o in serving) >= 2]
-                if victims:
-                    victim = rng.choice(victims)
+                if victims:  # the one holding the most sessions (ties at random): a kill that breaks streams
+                    rng.shuffle(victims)
+                    victim = max(victims, key=sessions_held)
                     victim.kill()
                     killed[victim] = now
                     kills += 1
@@ -138,6 +145,9 @@ def test_eight_streams_come_through_a_node_killed_every_four_seconds(mesh, refer
             node.wait_ready()
     assert kills >= 3, f"the streams ended after {kills} kills"
     check_answers(results, reference_tokens, KILLED_TOKENS)
+    # each kill takes the node holding the most sessions: the streams through it fail over (all but a last kill
+    # that came as they ended)
+    assert sum(stats["failovers"] for stats in results.values()) >= kills - 1, summary(f"{kills} kills", results)
     print(summary(f"{kills} kills", results))  # shown with -rP
 
 
@@ -145,11 +155,16 @@ def test_a_rolling_restart_of_half_the_workers_moves_every_stream_without_a_re_p
     head, workers = mesh
     everyone_knows_everyone(head, workers)
     threads, results = run_streams(head, RESTARTED_TOKENS)
-    time.sleep(1.0)
     by_range = [[w for w in workers if w.layers == layers] for layers in RANGES]
-    restarted = 0
-    for round_ in range(RESTART_ROUNDS):  # one node of each range at a time
-        nodes = [replicas[round_] for replicas in by_range]
+    deadline = time.monotonic() + 60
+    while not any(sessions_held(w) for w in workers):  # the streams' prompts are in
+        assert time.monotonic() < deadline, "no worker took a stream's session"
+        time.sleep(0.2)
+    restarted, done = 0, set()
+    for _ in range(RESTART_ROUNDS):  # one node of each range at a time: the one holding the most sessions now
+        # (the router may send every stream through the same replicas: restarting others would move nothing)
+        nodes = [max((r for r in replicas if id(r) not in done), key=sessions_held) for replicas in by_range]
+        done.update(id(node) for node in nodes)
         for node in nodes:
             node.proc.send_signal(signal.SIGTERM)
         for node in nodes:
@@ -167,7 +182,7 @@ def test_a_rolling_restart_of_half_the_workers_moves_every_stream_without_a_re_p
         # a reroute (the router moving to a far faster route: on a slow host a node just restarted is idle, the
         # others busy) re-prefills by design; the restarts themselves must re-prefill nothing
         assert stats["reprefills"] == stats["reroutes"] and stats["span_replays"] == 0, f"stream {i}: {stats}"
-    # a round restarts a quarter of each range's nodes: about one move a stream a round (11 in all in one run)
+    # each round drains, in every range, the replica the most streams ran through: their sessions move
     assert sum(stats["moved_sessions"] for stats in results.values()) >= STREAMS // 2, \
         "the streams ended before the workers they ran on were restarted"
     print(summary(f"{restarted} workers restarted", results))
