@@ -32,7 +32,6 @@ class RotaryTable:
         self.usable = not per_type and getattr(rotary, "rope_type", None) in STATIC_TYPES
         self._checked = False
 
-    @torch.inference_mode()
     def at(self, hidden: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(cos, sin)`` ``[1, 1, head_dim]`` in ``hidden``'s dtype and device at ``position``, or None."""
         if not self.usable:
@@ -52,6 +51,7 @@ class RotaryTable:
         row = position - first
         return run[0][:, row:row + 1], run[1][:, row:row + 1]
 
+    @torch.inference_mode()  # here, not on every lookup: a step already runs in it
     def _make(self, hidden: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         positions = torch.arange(first, first + CHUNK, device=hidden.device).unsqueeze(0)
         cos, sin = self._rotary(hidden, positions)
