@@ -123,3 +123,18 @@ def _load_libc():
 
 
 LIBC = _load_libc()  # the C library (glibc's malloc_trim, madvise), or None where it cannot be had
+
+
+def proc_status_bytes(*fields: str) -> dict[str, int | None]:
+    """``kB`` lines of /proc/self/status in bytes, from one reading (``VmHWM``: the peak resident set); None for a
+    field there is none of."""
+    found: dict[str, int | None] = dict.fromkeys(fields)
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                name, _, value = line.partition(":")
+                if name in found:
+                    found[name] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return found

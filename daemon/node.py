@@ -21,6 +21,7 @@ from daemon.api.tls import NodeTLS, client_context
 from daemon.config import NodeConfig
 from daemon.handover import Handover
 from daemon.kvstore import SessionCacheStore
+from daemon.mesh.channels import StepChannels, step_channels_enabled
 from daemon.mesh.head import Head, HeadSettings
 from daemon.mesh.peers import PeerDirectory
 from daemon.mesh.planner import RoutePlanner
@@ -89,12 +90,15 @@ class Node(NodeView):
         async with aiohttp.ClientSession(connector=connector, headers=headers,
                                          cookie_jar=aiohttp.DummyCookieJar()) as http:
             transport = HopTransport(headers=headers, ssl_context=self.tls.client)
+            channels = StepChannels(headers=headers, enabled=step_channels_enabled())
+            channels.team = lambda: self.service.executor.park_when_idle()  # asleep while the next nodes compute
             self.http = self.planner.http = http
-            self.head.connect(transport, http)
+            self.head.connect(transport, http, channels)
             poll = asyncio.create_task(self._poll_peers(http))
             try:
                 yield
             finally:
+                channels.close()
                 poll.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await poll

@@ -65,6 +65,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from daemon.errors import BadRequest
@@ -171,6 +172,7 @@ class ForwardReply:
     logprob: float | None = None  # asked for with "logprobs" in the sampling
     top_logprobs: list[tuple[int, float]] | None = None
     tokens: list[TokenChoice] | None = None  # a verify step's: the accepted drafts and one more
+    then: object = None  # on the head, not sent: what its own step's continuation answered (the channel walk)
 
     def token_json(self) -> dict:
         """The tail's JSON answer; the log-probabilities only when they were asked for."""
@@ -396,3 +398,16 @@ def forward_headers(
     if draft:
         headers[DRAFT] = ",".join(map(str, draft))
     return headers
+
+
+def header_lines(headers: Mapping[str, str]) -> bytes:
+    """``Name: value`` lines, each ended by CRLF: an HTTP/1.1 request's and a step channel's header block."""
+    lines = []
+    for name, value in headers.items():
+        if not name or ":" in name or any(c in name or c in value for c in "\r\n\0"):
+            raise ValueError(f"header {name!r} cannot be sent in HTTP/1.1 (or a step channel's frame)")
+        lines.append(f"{name}: {value}\r\n")
+    try:
+        return "".join(lines).encode("latin-1")
+    except UnicodeEncodeError:
+        raise ValueError("HTTP/1.1 headers must be latin-1 text") from None

@@ -211,6 +211,8 @@ class NodeStatus:
     context_length: int = 0  # tokens the model can attend to, prompt and answer together; 0: not reported
     max_tokens_cap: int = 0  # the most new tokens a chat request may ask this node (as head) for; 0: not reported
     speculation: bool = False  # takes verify steps of drafted tokens and cuts them back (X-Meshnet-Draft)
+    step_channels: int = 0  # step channels heads hold open to this node now (GET /v1/steps)
+    channel_steps: int = 0  # of steps_served, those taken over a step channel
 
     @property
     def layers(self) -> str:

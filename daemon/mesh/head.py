@@ -21,6 +21,7 @@ import aiohttp
 from daemon import wire
 from daemon.api import GenerationStats, Sampling
 from daemon.errors import BadRequest, Draining, TooManyGenerations
+from daemon.mesh.channels import StepChannels
 from daemon.mesh.generation import GenerationLoop, GenerationRequest, TokenEvent
 from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.planner import RoutePlanner
@@ -63,8 +64,8 @@ class OwnLayers(Protocol):
 
     async def embed(self, token_ids: list[int], *, dtype: str) -> wire.Activation: ...
 
-    async def forward(self, request: wire.ForwardRequest, *,
-                      token_ids: list[int] | None = None) -> wire.ForwardReply: ...
+    async def forward(self, request: wire.ForwardRequest, *, token_ids: list[int] | None = None,
+                      then=None) -> wire.ForwardReply: ...
 
     def drop_session(self, session_id: str) -> bool: ...
 
@@ -157,10 +158,14 @@ class Head:
         """The most new tokens a request may ask for."""
         return min(self.context_length, self.settings.max_tokens_cap)
 
-    def connect(self, transport: HopTransport, session: aiohttp.ClientSession) -> None:
-        """Start sending hops: over ``transport``, with ``session`` for the rare requests off the hot path."""
+    def connect(self, transport: HopTransport, session: aiohttp.ClientSession,
+                channels: StepChannels | None = None) -> None:
+        """Start sending hops: over ``transport`` and ``channels`` (see :mod:`daemon.mesh.channels`), with
+        ``session`` for the rare requests off the hot path."""
+        if channels is not None:  # a walk holds the torch thread: only while one generation could use it
+            channels.allowed = lambda: self.active_generations <= 1
         self._hops = HopClient(transport, session, hidden_size=self.own.hidden_size,
-                               timeout=self.settings.hop_timeout_seconds)
+                               timeout=self.settings.hop_timeout_seconds, channels=channels)
 
     def stop_generations(self) -> None:
         """End every running generation at its next step (the node's shutdown grace is over)."""
@@ -300,7 +305,7 @@ class _LocalBackend:
     async def local_step(self, activation: wire.Activation | None, *, mode, session_id, past_len, start_layer,
                          hop_index, sampling: Sampling | None, token_ids: list[int] | None = None,
                          prefix: Reuse | None = None, history: wire.History | None = None,
-                         draft: list[int] | None = None) -> HopReply:
+                         draft: list[int] | None = None, then=None) -> HopReply:
         if token_ids is not None:  # embedded in the step itself: the activation is only its dtype and shape
             activation = wire.Activation(self._wire_dtype, (1, len(token_ids), self.hidden_size), b"")
         request = wire.ForwardRequest(
@@ -309,10 +314,10 @@ class _LocalBackend:
             prefix=prefix.source if prefix else None, take_prefix=bool(prefix and prefix.take), history=history,
             draft=tuple(draft) if draft else None,
         )
-        reply = await self._own.forward(request, token_ids=token_ids)
+        reply = await self._own.forward(request, token_ids=token_ids, then=then)
         return HopReply(activation=reply.activation, token_id=reply.token_id, text=reply.text,
                         compute_ms=reply.compute_ms, logprob=reply.logprob, top_logprobs=reply.top_logprobs,
-                        tokens=reply.tokens)
+                        tokens=reply.tokens, then=reply.then)
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids)

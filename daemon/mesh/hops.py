@@ -20,7 +20,8 @@ from daemon import wire
 from daemon.api import Hop
 from daemon.errors import BadRequest, CacheMiss, HopFailed, UpstreamError
 from daemon.logs import REQUEST_ID_HEADER, request_id
-from daemon.mesh.transport import HopTransport, TransportError
+from daemon.mesh.channels import StepChannels
+from daemon.mesh.transport import HopResponse, HopTransport, TransportError
 
 
 @dataclass
@@ -37,6 +38,7 @@ class HopReply:
     payload_bytes: int = 0  # activation bytes sent to a remote hop
     sent_bytes: int = 0  # the whole request on the wire: request line, headers, body
     received_bytes: int = 0  # the whole response: status line, headers, body
+    then: object = None  # the head's own hop: its walk of the rest of the route (:class:`channels.Walked`)
 
 
 class HopClient:
@@ -46,20 +48,23 @@ class HopClient:
     over T tokens gets ``timeout * T / 32`` when that is longer, so a long
     prefill is not mistaken for a dead node. ``session`` (aiohttp) carries the
     rare requests off the hot path: releasing a session on a node left behind.
+    ``channels``: the head's step channels, along which its torch thread walks a decode step
+    (:mod:`daemon.mesh.channels`); their answers become replies here too (:meth:`reply_from`).
     """
 
     def __init__(self, transport: HopTransport, session: aiohttp.ClientSession, *, hidden_size: int,
-                 timeout: float = 10.0) -> None:
+                 timeout: float = 10.0, channels: StepChannels | None = None) -> None:
         self._transport = transport
         self._session = session
         self._hidden_size = hidden_size
-        self._timeout = timeout
+        self.timeout = timeout
+        self.channels = channels  # decode steps after the head's own hop, where open (daemon.mesh.channels)
 
     async def step(self, hop: Hop, activation: wire.Activation, headers: dict[str, str],
                    history: wire.History | None = None) -> HopReply:
         """One step on ``hop``; ``history`` (the tail's, for a penalty) travels after the activation bytes."""
         headers = headers | {REQUEST_ID_HEADER: request_id.get()}  # one id across every node of a generation
-        seconds = self._timeout * max(1.0, activation.shape[1] / 32)
+        seconds = self.timeout * max(1.0, activation.shape[1] / 32)
         body = activation.data if history is None else bytes(activation.data) + history.to_bytes()
         try:
             resp = await self._transport.post(hop.url.rstrip("/") + "/forward", body, headers=headers,
@@ -69,6 +74,11 @@ class HopClient:
                             reason="timed_out") from None
         except TransportError as exc:
             raise HopFailed(hop.url, f"{hop.url} is unreachable: {exc}", reason="unreachable") from None
+        return self.reply_from(hop, resp, activation)
+
+    def reply_from(self, hop: Hop, resp: HopResponse, activation: wire.Activation) -> HopReply:
+        """The reply a node's answer to a step on ``activation`` makes, or what the loop raises for it (a cache
+        miss, a failed hop, an unusable answer): for ``POST /forward`` and step channels alike."""
         body = resp.body
         if resp.status == 409:
             info = _json_or_empty(body)

@@ -10,7 +10,10 @@ from typing import Protocol
 
 from daemon import wire
 from daemon.api import Hop, Sampling
+from daemon.channel import ChannelClosed
 from daemon.errors import HopFailed, UpstreamError
+from daemon.logs import REQUEST_ID_HEADER, request_id
+from daemon.mesh import channels
 from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.prefix import Reuse
 
@@ -50,8 +53,10 @@ class HeadBackend(Protocol):
     async def local_step(self, activation: wire.Activation | None, *, mode: str | None, session_id: str,
                          past_len: int, start_layer: int, hop_index: int, sampling: Sampling | None,
                          token_ids: list[int] | None = None, prefix: Reuse | None = None,
-                         history: wire.History | None = None, draft: list[int] | None = None) -> HopReply:
-        """Run the head's own layers; with ``token_ids`` (a first hop) embed them in the same step."""
+                         history: wire.History | None = None, draft: list[int] | None = None,
+                         then: Callable | None = None) -> HopReply:
+        """Run the head's own layers; with ``token_ids`` (a first hop) embed them in the same step. ``then``
+        goes on, on the torch thread, with the step's outcome; what it answers is the reply's ``then``."""
 
     def decode(self, token_ids: list[int]) -> str: ...
 
@@ -89,10 +94,10 @@ async def run_step(
     ``(index, activation)`` runs the step from hop ``index`` on, with that input (the hops before it ran it).
     """
     if resume is not None:
-        first, reply = resume[0], HopReply(activation=resume[1])
+        index, reply = resume[0], HopReply(activation=resume[1])
     else:
-        first, reply = 0, HopReply(activation=None if route[0].local else await backend.embed(token_ids))
-    for index in range(first, len(route)):
+        index, reply = 0, HopReply(activation=None if route[0].local else await backend.embed(token_ids))
+    while index < len(route):
         hop = route[index]
         if index and reply.activation is None:
             raise UpstreamError(f"hop {index - 1} ({route[index - 1].url}) answered a token before the last layer")
@@ -100,25 +105,89 @@ async def run_step(
         tail_sampling = sampling if tail else None
         started = time.perf_counter()
         if hop.local:
-            reply = await backend.local_step(
-                reply.activation, mode=mode, session_id=session_id, past_len=past_len,
-                start_layer=hop.start_layer, hop_index=index, sampling=tail_sampling,
-                token_ids=None if index else token_ids, prefix=prefix, history=history if tail else None,
-                draft=draft,
-            )
-        else:
-            if inputs is not None:
-                inputs[index] = reply.activation
-            headers = wire.forward_headers(
-                reply.activation, mode=mode, session_id=session_id, past_len=past_len,
-                start_layer=hop.start_layer, hop_index=index,
-                sampling=tail_sampling.to_wire() if tail_sampling else None,
-                prefix=prefix.source if prefix else None, take_prefix=bool(prefix and prefix.take),
-                history=history if tail else None, draft=draft,
-            )
-            reply = await client.step(hop, reply.activation, headers, history if tail else None)
+            legs = None
+            if mode == "decode" and draft is None and prefix is None and len(token_ids) == 1:
+                legs = _legs(client, route, index, session_id=session_id, past_len=past_len, sampling=sampling,
+                             history=history)
+            walk = None
+            if legs is not None:
+                def walk(done, legs=legs) -> channels.Walked:  # on the torch thread, after the head's layers
+                    return channels.walk(done.out, legs, client.reply_from, timeout=client.timeout,
+                                         team=client.channels.team)
+            try:
+                reply = await backend.local_step(
+                    reply.activation, mode=mode, session_id=session_id, past_len=past_len,
+                    start_layer=hop.start_layer, hop_index=index, sampling=tail_sampling,
+                    token_ids=None if index else token_ids, prefix=prefix, history=history if tail else None,
+                    draft=draft, then=walk,
+                )
+            finally:
+                if legs is not None:
+                    client.channels.give_back([leg.chan for leg in legs])
+            if on_hop is not None:
+                on_hop(hop, (time.perf_counter() - started) * 1000.0, reply)
+            if reply.then is not None:  # the torch thread went on along the route over step channels
+                index, reply = _walked(reply.then, route, on_hop, inputs)
+                continue
+            index += 1
+            continue
+        if inputs is not None:
+            inputs[index] = reply.activation
+        headers = wire.forward_headers(
+            reply.activation, mode=mode, session_id=session_id, past_len=past_len,
+            start_layer=hop.start_layer, hop_index=index,
+            sampling=tail_sampling.to_wire() if tail_sampling else None,
+            prefix=prefix.source if prefix else None, take_prefix=bool(prefix and prefix.take),
+            history=history if tail else None, draft=draft,
+        )
+        reply = await client.step(hop, reply.activation, headers, history if tail else None)
         if on_hop is not None:
             on_hop(hop, (time.perf_counter() - started) * 1000.0, reply)
+        index += 1
     if reply.activation is not None:
         raise UpstreamError(f"the last hop ({route[-1].url}) answered activations, not a token")
     return reply
+
+
+def _legs(client: HopClient, route: list[Hop], index: int, *, session_id: str, past_len: int, sampling: Sampling,
+          history: wire.History | None) -> list[channels.Leg] | None:
+    """The rest of the route after the head's own hop at ``index``, as legs of a walk over step channels: None
+    unless every hop after it is remote and has a free channel."""
+    rest = route[index + 1:]
+    if client.channels is None or not rest or any(hop.local for hop in rest):
+        return None
+    taken = client.channels.for_hops(rest)
+    if taken is None:
+        return None
+    rid = request_id.get()
+    legs = []
+    for i, (hop, chan) in enumerate(zip(rest, taken), start=index + 1):
+        tail = i == len(route) - 1
+
+        def headers(activation: wire.Activation, hop=hop, i=i, tail=tail) -> dict[str, str]:
+            return wire.forward_headers(
+                activation, mode="decode", session_id=session_id, past_len=past_len, start_layer=hop.start_layer,
+                hop_index=i, sampling=sampling.to_wire() if tail else None, history=history if tail else None,
+            ) | {REQUEST_ID_HEADER: rid}
+
+        legs.append(channels.Leg(i, hop, chan, headers, history if tail else None))
+    return legs
+
+
+def _walked(walked: channels.Walked, route: list[Hop], on_hop, inputs) -> tuple[int, HopReply]:
+    """Where a walk leaves the step: past the route with the tail's reply, or at a hop whose channel closed (sent
+    on ``POST /forward`` next, from its input). Anything else a hop raised is raised here, as it would have been."""
+    reply = None
+    for index, given, total_ms, reply in walked.answered:
+        if inputs is not None:
+            inputs[index] = given
+        if on_hop is not None:
+            on_hop(route[index], total_ms, reply)
+    if walked.stopped is None:
+        return len(route), reply
+    index, given, error = walked.stopped
+    if inputs is not None:
+        inputs[index] = given
+    if isinstance(error, ChannelClosed):
+        return index, HopReply(activation=given)
+    raise error

@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from daemon.wire import header_lines
+
 IDLE_SECONDS = 30.0  # an idle connection is dropped before the node's own keep-alive limit (75 s in aiohttp)
 MAX_IDLE_PER_NODE = 8  # more concurrent hops than this to one node open connections that are not kept
 MAX_RESPONSE_BYTES = 1 << 30  # a prefill reply is T x hidden x 4 bytes at most: far below this
@@ -160,7 +162,7 @@ class HopTransport:
     """
 
     def __init__(self, *, headers: Mapping[str, str] | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
-        self._headers = _header_lines(headers or {})
+        self._headers = header_lines(headers or {})
         self._idle: dict[_Address, list[_Connection]] = {}
         self._addresses: dict[str, tuple[_Address, str]] = {}
         self._ssl = ssl_context  # verifies https:// nodes; None: the system's trust store, made on first use
@@ -175,7 +177,7 @@ class HopTransport:
         address, path = self._address(url)
         head = b"".join((
             f"POST {path} HTTP/1.1\r\nHost: {address.host_header}\r\nContent-Length: {len(body)}\r\n".encode(),
-            self._headers, _header_lines(headers), b"\r\n",
+            self._headers, header_lines(headers), b"\r\n",
         ))
         async with asyncio.timeout(timeout):
             conn = self._reuse(address)
@@ -258,15 +260,3 @@ class HopTransport:
             known = _Address(parts.hostname, port or (443 if tls else 80), tls, host_header), parts.path or "/"
             self._addresses[url] = known
         return known
-
-
-def _header_lines(headers: Mapping[str, str]) -> bytes:
-    lines = []
-    for name, value in headers.items():
-        if not name or ":" in name or any(c in name or c in value for c in "\r\n\0"):
-            raise ValueError(f"header {name!r} cannot be sent in HTTP/1.1")
-        lines.append(f"{name}: {value}\r\n")
-    try:
-        return "".join(lines).encode("latin-1")
-    except UnicodeEncodeError:
-        raise ValueError("HTTP/1.1 headers must be latin-1 text") from None

@@ -17,9 +17,9 @@
 #include <math.h>
 #include <string.h>
 #include <limits.h>
+#include <poll.h>
+#include <time.h>
 #ifdef __linux__
-#include <linux/futex.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 #endif
 
@@ -825,32 +825,48 @@ void meshnet_llama_layer(const struct layer *L, float *hidden, const float *cos,
     for (long i = 0; i < T * H; i++) hidden[i] += x[i];
 }
 
-/* ---- parking the OpenMP team between steps (daemon/model/parking.py) -------------------------------------------
+/* ---- sleeping with the OpenMP team between steps (daemon/model/worker.py) -------------------------------------
  *
  * After a parallel region libgomp's workers spin (GOMP_SPINCOUNT) before they sleep, on a core that another daemon
- * on this host may be computing on. meshnet_park(epoch) puts the calling thread and its team to sleep at once, in a
- * parallel region whose threads each wait on a futex until the epoch moves on (meshnet_unpark, from any thread):
- * the team wakes together, ready for the next step, without being destroyed and made again. */
+ * on this host may be computing on. meshnet_wait_readable(fds, n, team, timeout) puts the calling thread, and with
+ * team != 0 every thread of its team, to sleep in poll(2) until one of the descriptors is readable (a submission's
+ * eventfd, a step channel's socket) or the timeout (ms, -1 for none) passes: the bytes wake the whole team at
+ * once, ready for the next step, without it being destroyed and made again. Answers poll's count (0: timed out). */
 
-static volatile int park_epoch;
+#define MESHNET_MAX_WAIT_FDS 64
 
-int meshnet_park_epoch(void) { return __atomic_load_n(&park_epoch, __ATOMIC_ACQUIRE); }
-
-#ifdef __linux__
-int meshnet_can_park(void) { return 1; }
-
-void meshnet_park(int epoch) {
+int meshnet_wait_readable(const int *fds, int n, int team, int timeout_ms) {
+    if (n < 0 || n > MESHNET_MAX_WAIT_FDS) return -1;
+    int ready = 0;
+    if (!team) {
+        struct pollfd p[MESHNET_MAX_WAIT_FDS];
+        for (int i = 0; i < n; i++) p[i] = (struct pollfd){fds[i], POLLIN, 0};
+        return poll(p, (nfds_t)n, timeout_ms);
+    }
 #pragma omp parallel
-    while (__atomic_load_n(&park_epoch, __ATOMIC_ACQUIRE) == epoch)
-        syscall(SYS_futex, &park_epoch, FUTEX_WAIT_PRIVATE, epoch, NULL, NULL, 0);
+    {
+        struct pollfd p[MESHNET_MAX_WAIT_FDS];
+        for (int i = 0; i < n; i++) p[i] = (struct pollfd){fds[i], POLLIN, 0};
+        int got = poll(p, (nfds_t)n, timeout_ms);
+#pragma omp master
+        ready = got;
+    }
+    return ready;
 }
 
-void meshnet_unpark(void) {
-    __atomic_add_fetch(&park_epoch, 1, __ATOMIC_RELEASE);
-    syscall(SYS_futex, &park_epoch, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+/* the calling thread alone polls the descriptors without sleeping for up to spin_us microseconds (its team's
+ * workers spin on, as libgomp has them do after a region): for a submission known to be on its way, which a
+ * sleeping team would take a wake-up of every thread to start. Answers poll's count (0: none came). */
+int meshnet_spin_readable(const int *fds, int n, long spin_us) {
+    if (n < 0 || n > MESHNET_MAX_WAIT_FDS) return -1;
+    struct pollfd p[MESHNET_MAX_WAIT_FDS];
+    for (int i = 0; i < n; i++) p[i] = (struct pollfd){fds[i], POLLIN, 0};
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        int got = poll(p, (nfds_t)n, 0);
+        if (got != 0) return got;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        if ((now.tv_sec - start.tv_sec) * 1000000L + (now.tv_nsec - start.tv_nsec) / 1000 >= spin_us) return 0;
+    }
 }
-#else  /* no futex: never parks, the team spins and sleeps as libgomp decides */
-int meshnet_can_park(void) { return 0; }
-void meshnet_park(int epoch) { (void)epoch; }
-void meshnet_unpark(void) { __atomic_add_fetch(&park_epoch, 1, __ATOMIC_RELEASE); }
-#endif

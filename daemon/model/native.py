@@ -95,16 +95,12 @@ class Library:
         self.q8_floats = lib.meshnet_q8_floats
         self.q8_floats.argtypes = [_L]
         self.q8_floats.restype = _L
-        self.can_park = bool(lib.meshnet_can_park())
-        self.park = lib.meshnet_park  # ctypes lets go of the GIL while the team sleeps
-        self.park.argtypes = [_I]
-        self.park.restype = None
-        self.unpark = lib.meshnet_unpark
-        self.unpark.argtypes = []
-        self.unpark.restype = None
-        self.park_epoch = lib.meshnet_park_epoch
-        self.park_epoch.argtypes = []
-        self.park_epoch.restype = _I
+        self.wait_readable = lib.meshnet_wait_readable  # ctypes lets go of the GIL while the team sleeps
+        self.wait_readable.argtypes = [ctypes.POINTER(_I), _I, _I, _I]
+        self.wait_readable.restype = _I
+        self.spin_readable = lib.meshnet_spin_readable
+        self.spin_readable.argtypes = [ctypes.POINTER(_I), _I, _L]
+        self.spin_readable.restype = _I
 
 
 @functools.cache

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,20 +21,22 @@ import torch
 from daemon import wire
 from daemon.api import MemoryInfo, Sampling, SessionInfo
 from daemon.errors import BadRequest, CacheMiss, NoRoom
+from daemon.host import proc_status_bytes
 from daemon.kvstore import SessionCacheStore
 from daemon.model.cores import CoreShare
 from daemon.model.device import checkpoint_dtype, dtype_name, resolve_device, resolve_dtype
 from daemon.model.migration import export_session, import_session, movable
 from daemon.model.quantize import check_quantization
-from daemon.model.shard import DecodeStep, ModelShard, StepResult
-from daemon.model.steps import AGAIN, Job, StepQueue
+from daemon.model.shard import DecodeStep, ModelShard
+from daemon.model.steps import AGAIN, Chunks, Computed, Job, StepQueue
 from daemon.model.tensors import as_sent, to_activation, to_tensor
 from daemon.model.tokenizer import ChatTokenizer
-from daemon.model.worker import TorchThread
+from daemon.model.worker import ChannelHandler, TorchThread
 
 log = logging.getLogger(__name__)
 
 MAX_CHUNK_RESTARTS = 2  # a prefill whose session is evicted between its chunks starts again at most this often
+
 BUSY_WINDOW_SECONDS = 10.0  # the share of time spent computing is reported over this window
 
 StepObserver = Callable[[str | None, float], None]  # (mode, seconds) of every step run
@@ -76,7 +78,9 @@ class ShardService:
         self.active_steps = 0
         self.steps_served = 0
         self.tokens_served = 0
+        self.channel_steps = 0  # of steps_served, those a step channel brought (serve_now)
         self._compute_log: deque[tuple[float, float]] = deque()  # (finished, seconds) of recent steps
+        self._accounting = threading.Lock()  # steps are counted on the event loop and on a step channel's thread
 
     @classmethod
     def load(cls, folder: Path, start: int, end: int, *, store: SessionCacheStore, kv_cache: bool, threads: int,
@@ -93,7 +97,7 @@ class ShardService:
         if quantize:
             check_quantization(quantize, compute, where)
 
-        runtime = _proc_status_bytes("VmRSS")["VmRSS"]  # the process before its first weight is read
+        runtime = proc_status_bytes("VmRSS")["VmRSS"]  # the process before its first weight is read
 
         def load() -> ModelShard:
             torch.set_num_threads(threads)
@@ -147,9 +151,33 @@ class ShardService:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    async def forward(self, request: wire.ForwardRequest, *, token_ids: list[int] | None = None) -> wire.ForwardReply:
+    async def forward(self, request: wire.ForwardRequest, *, token_ids: list[int] | None = None,
+                      then: Callable[[Computed], object] | None = None) -> wire.ForwardReply:
         """One /forward step. ``token_ids``: the head's own first hop, embedded in the same worker call (one
-        hand-off to the torch thread per step, not two); ``request.activation`` then only names dtype and shape."""
+        hand-off to the torch thread per step, not two); ``request.activation`` then only names dtype and shape.
+        ``then(computed)``, on the torch thread right after the step (and outside its core share): the head's
+        walk of the rest of a route over step channels; what it answers is the reply's ``then``."""
+        with self._stepping(request):
+            done: Computed = await self.queue.submit(request, token_ids, then)
+        return self._reply(request, done)
+
+    def serve_now(self, request: wire.ForwardRequest) -> wire.ForwardReply:
+        """One step on the torch thread itself, as :meth:`forward` runs it: a step channel's (no hand-off)."""
+        with self._stepping(request):
+            [done] = self._run_jobs([Job(request, None, None)])
+        if isinstance(done, Exception):
+            raise done
+        with self._accounting:
+            self.channel_steps += 1
+        return self._reply(request, done)
+
+    def serve_channel(self, sock, handler: ChannelHandler) -> bool:
+        """Serve a step channel's steps on the torch thread (:mod:`daemon.server.channel`)."""
+        return self.executor.serve(sock, handler)
+
+    @contextlib.contextmanager
+    def _stepping(self, request: wire.ForwardRequest):
+        """Around a step: its checks before any work, and its count among the active ones."""
         positions = request.past_len + request.activation.shape[1]
         if positions > self.context_length:
             raise BadRequest(f"the step reaches position {positions}; the model's context is {self.context_length}",
@@ -161,37 +189,47 @@ class ShardService:
             log.info("session %s: %s %d tokens of session %s, then %d new, from layer %d", request.session_id,
                      "takes" if request.take_prefix else "copies", request.past_len, request.prefix,
                      request.activation.shape[1], request.start_layer)
-        self.active_steps += 1
+        with self._accounting:
+            self.active_steps += 1
         try:
-            done: Computed = await self.queue.submit(request, token_ids)
+            yield
         finally:
-            self.active_steps -= 1
-        self.steps_served += 1
-        self.tokens_served += request.activation.shape[1]
-        self._compute_log.append((time.monotonic(), done.share))
+            with self._accounting:
+                self.active_steps -= 1
+
+    def _reply(self, request: wire.ForwardRequest, done: Computed) -> wire.ForwardReply:
+        """Count a step that ran (from either thread) and make its reply."""
+        with self._accounting:
+            self.steps_served += 1
+            self.tokens_served += request.activation.shape[1]
+            self._compute_log.append((time.monotonic(), done.share))
         if self.on_step is not None:
             self.on_step(request.mode, done.seconds)
         compute_ms = done.seconds * 1000.0
         if done.out is not None:
-            return wire.ForwardReply(activation=done.out, compute_ms=compute_ms)
+            return wire.ForwardReply(activation=done.out, compute_ms=compute_ms, then=done.then)
         result = done.result
         tokens = None if result.tokens is None else [
             wire.TokenChoice(t.token_id, t.text, t.logprob, t.top_logprobs) for t in result.tokens]
         return wire.ForwardReply(token_id=result.token_id, text=result.text, compute_ms=compute_ms,
-                                 logprob=result.logprob, top_logprobs=result.top_logprobs, tokens=tokens)
+                                 logprob=result.logprob, top_logprobs=result.top_logprobs, tokens=tokens,
+                                 then=done.then)
 
     def _run_jobs(self, jobs: list[Job]) -> list[Computed | Exception]:
         """A batch the queue took, on the torch thread: each job's outcome, a failure its own."""
         with self.cores.computing() if self.cores is not None else contextlib.nullcontext():
-            if len(jobs) == 1:
-                job = jobs[0]
-                try:
-                    if self._in_chunks(job.request):
-                        return [self._compute_chunk(job)]
-                    return [self._compute(job.request, job.token_ids)]
-                except Exception as exc:  # noqa: BLE001 - raised to the step's own handler
-                    return [exc]
-            return self._compute_batch(jobs)
+            if len(jobs) != 1:
+                return self._compute_batch(jobs)
+            job = jobs[0]
+            try:
+                if self._in_chunks(job.request):
+                    return [self._compute_chunk(job)]
+                done = self._compute(job.request, job.token_ids)
+            except Exception as exc:  # noqa: BLE001 - raised to the step's own handler
+                return [exc]
+        if job.then is not None:  # the cores are given back while the rest of the route computes
+            done.then = job.then(done)
+        return [done]
 
     def _hidden(self, request: wire.ForwardRequest, token_ids: list[int] | None) -> torch.Tensor:
         """A step's hidden states, from the request's bytes or embedded here."""
@@ -230,7 +268,7 @@ class ShardService:
         """The next ``step_tokens`` of a long prompt: :data:`AGAIN` until the last, then the whole step's outcome
         (the hidden states of every position, or the tail's token)."""
         r = job.request
-        chunks: _Chunks = job.progress or _Chunks(self._hidden(r, job.token_ids))
+        chunks: Chunks = job.progress or Chunks(self._hidden(r, job.token_ids))
         job.progress = chunks
         started = time.perf_counter()
         first = chunks.done == 0
@@ -283,9 +321,10 @@ class ShardService:
     def busy(self) -> float:
         """The share of the last few seconds this node spent computing steps, 0..1: its load."""
         horizon = time.monotonic() - BUSY_WINDOW_SECONDS
-        while self._compute_log and self._compute_log[0][0] < horizon:
-            self._compute_log.popleft()
-        return min(1.0, sum(seconds for _, seconds in self._compute_log) / BUSY_WINDOW_SECONDS)
+        with self._accounting:
+            while self._compute_log and self._compute_log[0][0] < horizon:
+                self._compute_log.popleft()
+            return min(1.0, sum(seconds for _, seconds in self._compute_log) / BUSY_WINDOW_SECONDS)
 
     # ---- what the head's own layers add ----------------------------------------------------------
 
@@ -310,7 +349,7 @@ class ShardService:
         device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         # one reading: the kernel gives both at one instant, the peak never under the resident set (two readings
         # could see the set grow between them, past the peak read first)
-        rss = _proc_status_bytes("VmHWM", "VmRSS")
+        rss = proc_status_bytes("VmHWM", "VmRSS")
         return MemoryInfo(peak_rss_bytes=rss["VmHWM"], rss_bytes=rss["VmRSS"],
                           device_peak_bytes=device_peak, runtime_rss_bytes=self.runtime_rss_bytes)
 
@@ -373,46 +412,6 @@ class ShardService:
                  entry.start_layer)
         return SessionInfo(entry.session_id, entry.past_len, entry.start_layer, entry.nbytes, entry.created_at,
                            entry.last_used, entry.expires_at)
-
-
-@dataclass
-class Computed:
-    """A step's outcome on the torch thread: ``seconds`` its forward took (its batch's), ``share`` its part."""
-
-    result: StepResult
-    out: wire.Activation | None
-    seconds: float
-    share: float
-
-
-@dataclass
-class _Chunks:
-    """A long prompt's way through the node, a token budget per turn of the queue."""
-
-    hidden: torch.Tensor  # the whole step's input
-    done: int = 0  # positions computed so far
-    parts: list[torch.Tensor] = field(default_factory=list)  # their outputs (none on the tail)
-    seconds: float = 0.0
-    restarts: int = 0
-
-    def restart(self) -> None:
-        self.done, self.restarts = 0, self.restarts + 1
-        self.parts.clear()
-
-
-def _proc_status_bytes(*fields: str) -> dict[str, int | None]:
-    """``kB`` lines of /proc/self/status in bytes, from one reading (``VmHWM``: the peak resident set); None for a
-    field there is none of."""
-    found: dict[str, int | None] = dict.fromkeys(fields)
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                name, _, value = line.partition(":")
-                if name in found:
-                    found[name] = int(value.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return found
 
 
 def torch_thread() -> TorchThread:

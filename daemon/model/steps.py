@@ -28,7 +28,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from daemon import wire
+from daemon.model.shard import StepResult
 
 ACTIVE_SECONDS = 1.0  # a session whose decode step came here this recently is expected back
 # how long a decode step arriving at an idle node waits for the steps of the other sessions decoding here, counted
@@ -49,13 +52,14 @@ class Job:
     future: asyncio.Future
     queued: float = field(default_factory=time.monotonic)
     progress: object = None  # what the runner keeps between the parts of a job that runs in several
+    then: Callable | None = None  # on the torch thread after the step, with its outcome: runs alone, unbatched
 
     @property
     def batchable(self) -> bool:
         """A one-position decode step: of a running session, or the first of one starting from a held prefix (the
         last token of a prompt the node already holds, which is how concurrent clients of one prompt begin)."""
         r = self.request
-        return r.mode == "decode" and r.activation.shape[1] == 1
+        return r.mode == "decode" and r.activation.shape[1] == 1 and self.then is None
 
 
 AGAIN = object()  # an outcome: the job ran a part of itself (a long prompt's chunk) and queues again for the rest
@@ -84,9 +88,9 @@ class StepQueue:
         self._drainer: asyncio.Task | None = None  # held: the loop keeps only a weak reference to a task
         self.batches = 0
 
-    async def submit(self, request: wire.ForwardRequest, token_ids: list[int] | None):
-        """Queue one step and wait for its outcome (raised if it failed)."""
-        job = Job(request, token_ids, asyncio.get_running_loop().create_future())
+    async def submit(self, request: wire.ForwardRequest, token_ids: list[int] | None, then: Callable | None = None):
+        """Queue one step and wait for its outcome (raised if it failed); ``then`` see :class:`Job`."""
+        job = Job(request, token_ids, asyncio.get_running_loop().create_future(), then=then)
         self._waiting.append(job)
         if job.batchable:
             self._seen[request.session_id] = job.queued
@@ -189,3 +193,29 @@ class StepQueue:
         rest.extend(self._waiting)
         self._waiting = rest
         return batch
+
+
+@dataclass
+class Computed:
+    """A step's outcome on the torch thread: ``seconds`` its forward took (its batch's), ``share`` its part."""
+
+    result: StepResult
+    out: wire.Activation | None
+    seconds: float
+    share: float
+    then: object = None  # what the job's ``then`` answered (the head's walk of the rest of its route)
+
+
+@dataclass
+class Chunks:
+    """A long prompt's way through the node, a token budget per turn of the queue."""
+
+    hidden: torch.Tensor  # the whole step's input
+    done: int = 0  # positions computed so far
+    parts: list[torch.Tensor] = field(default_factory=list)  # their outputs (none on the tail)
+    seconds: float = 0.0
+    restarts: int = 0
+
+    def restart(self) -> None:
+        self.done, self.restarts = 0, self.restarts + 1
+        self.parts.clear()

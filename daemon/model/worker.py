@@ -1,4 +1,5 @@
-"""The one OS thread a node runs torch on (loading, every step, embedding), and its OpenMP team between steps.
+"""The one OS thread a node runs torch on (loading, every step, embedding, the step channels), and its OpenMP
+team between steps.
 
 One thread: OpenMP (libgomp) gives every OS thread that enters a parallel region a team of its own. Two teams
 in one process are more threads than a small host's cores, and libgomp then stops spinning between regions:
@@ -9,9 +10,14 @@ Between steps: after a parallel region libgomp's workers spin for a while (``GOM
 about 3 ms here) before they sleep, which bridges the short gaps between one step's regions. A single stream
 through two daemons on one host computes on one, then the other; the first one's workers then spin on the cores
 the second computes on, for most of an int8 half-model step. Where another daemon shares the host and the
-thread has nothing queued, it *parks* its team (``meshnet_park`` in ``gemv.c``): every thread of it sleeps on a
-futex at once, and the next submission wakes them together, the team kept. A lone daemon never parks: its
-gaps between steps are short and a spinning team takes the next step without a wake-up.
+thread has nothing queued, it *parks* its team (``meshnet_wait_readable`` in ``gemv.c``): every thread of it
+sleeps in poll(2) at once, and the next submission (a write to an eventfd) or a step channel's bytes wake them
+together, the team kept. A lone daemon never parks: its gaps between steps are short and a spinning team takes
+the next step without a wake-up.
+
+Step channels (:mod:`daemon.channel`): connections whose one-position steps this thread reads, computes and
+answers itself, with no event loop between the socket and the layers. It waits on their sockets as on its
+queue, and serves a channel when its next step has arrived, between the submissions it runs.
 ``MESHNET_PARK=off`` never parks (to measure what parking does).
 
 Measured on a 2-core host, a two-node mesh against one node with every layer, single stream: int8 0.87x with
@@ -20,19 +26,31 @@ parking, 0.70x without; float32 0.94x and 0.69x (BENCHMARKS.md, "Against llama.c
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import queue
+import select
+import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
 from daemon.model import native
 
+log = logging.getLogger(__name__)
+
 PARK_ENV = "MESHNET_PARK"  # "off": the team spins and sleeps as libgomp decides
+MAX_CHANNELS = 60  # a poll waits on the submissions' eventfd and these (gemv.c takes 64 descriptors)
+
+# a channel's handler: serves the step whose bytes have arrived on the socket; False closes the channel
+ChannelHandler = Callable[[socket.socket], bool]
 
 
 class TorchThread(Executor):
-    """A one-thread executor whose thread parks its OpenMP team when idle and ``park_when_idle()`` says so."""
+    """A one-thread executor whose thread parks its OpenMP team when idle and ``park_when_idle()`` says so, and
+    serves the step channels handed to it (:meth:`serve`)."""
 
     def __init__(self, name: str = "torch") -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -41,6 +59,10 @@ class TorchThread(Executor):
         self.park_when_idle: Callable[[], bool] = lambda: False
         self._parking = os.environ.get(PARK_ENV, "on").strip().lower() not in ("off", "0", "false", "no")
         self.parks = 0  # times the team was parked
+        self._linger_until = 0.0  # monotonic: until then an idle thread waits for a submission awake (linger)
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._channels: dict[int, tuple[socket.socket, ChannelHandler]] = {}  # by descriptor; this thread's own
+        self._handed: list[tuple[socket.socket, ChannelHandler]] = []  # from other threads, taken on when awake
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -50,8 +72,30 @@ class TorchThread(Executor):
                 raise RuntimeError("cannot schedule new futures after shutdown")
             future: Future = Future()
             self._queue.put((future, fn, args, kwargs))
-        self._wake()  # after the put: a thread about to park sees the queue or the new epoch
+        self._wake()  # after the put: a thread about to sleep finds the eventfd readable
         return future
+
+    def serve(self, sock: socket.socket, handler: ChannelHandler) -> bool:
+        """Serve a step channel on this thread from now on: ``handler(sock)`` each time bytes arrive, until it
+        answers False or the peer hangs up (the socket is then closed). False, and the socket closed, when the
+        thread is shut down or serves as many channels as it can."""
+        with self._lock:
+            if self._closed or len(self._channels) + len(self._handed) >= MAX_CHANNELS:
+                sock.close()
+                return False
+            self._handed.append((sock, handler))
+        self._wake()
+        return True
+
+    def linger(self, seconds: float) -> None:
+        """On this thread, from the work it runs: the next submission is on its way (the head's generation loop
+        sends its next step as soon as it has this one's token), so wait up to ``seconds`` for it awake before
+        parking: a parked team's wake-up would cost more than the wait."""
+        self._linger_until = time.monotonic() + seconds
+
+    @property
+    def channels(self) -> int:
+        return len(self._channels) + len(self._handed)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._lock:
@@ -74,38 +118,101 @@ class TorchThread(Executor):
                 item[0].cancel()
 
     def _wake(self) -> None:
-        if not self._parking:
-            return
-        lib = native.library()
-        if lib is not None and lib.can_park:
-            lib.unpark()
-
-    def _park_while_idle(self) -> None:
-        """Park the team until there is work. A wake-up may come late: a submission's wake can follow the thread
-        through that very work and into its next park, which it then ends with nothing queued; the team parks
-        again rather than spin until the next submission."""
-        while self._parking and self._queue.empty() and self.park_when_idle():
-            lib = native.library()
-            if lib is None or not lib.can_park:
-                return
-            epoch = lib.park_epoch()  # read before looking at the queue again: a submission after it moves it on
-            if not self._queue.empty():
-                return
-            self.parks += 1
-            lib.park(epoch)
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:  # closed: the thread has ended
+            pass
 
     def _work(self) -> None:
-        while True:
-            self._park_while_idle()
-            item = self._queue.get()
-            if item is None:
-                return
-            future, fn, args, kwargs = item
-            if not future.set_running_or_notify_cancel():
-                continue
+        try:
+            while True:
+                try:  # what wakes the thread is read before the queue is looked at: a later put wakes it again
+                    os.eventfd_read(self._wake_fd)
+                except BlockingIOError:
+                    pass
+                self._take_handed()
+                ran = False
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+                else:
+                    if item is None:
+                        return
+                    self._run(item)
+                    ran = True
+                if self._channels and self._serve_ready(self._poll(0)):
+                    continue
+                if not ran:
+                    self._sleep()
+        finally:
+            for sock, _ in [*self._channels.values(), *self._handed]:
+                sock.close()
+            self._channels.clear()
+            os.close(self._wake_fd)
+
+    @staticmethod
+    def _run(item) -> None:
+        future, fn, args, kwargs = item
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, as ThreadPoolExecutor does
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def _take_handed(self) -> None:
+        if self._handed:
+            with self._lock:
+                handed, self._handed = self._handed, []
+            for sock, handler in handed:
+                self._channels[sock.fileno()] = sock, handler
+
+    def _poll(self, timeout_ms: int) -> list[int]:
+        """The channels whose bytes (or hang-up) have arrived, waiting up to ``timeout_ms``."""
+        poller = select.poll()
+        for fd in self._channels:
+            poller.register(fd, select.POLLIN)
+        return [fd for fd, _ in poller.poll(timeout_ms)]
+
+    def _serve_ready(self, ready: list[int]) -> bool:
+        for fd in ready:
+            sock, handler = self._channels[fd]
             try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, as ThreadPoolExecutor does
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
+                keep = handler(sock)
+            except Exception:  # noqa: BLE001 - one channel's failure closes it, never the thread
+                log.exception("step channel from %s failed; closed", _peer(sock))
+                keep = False
+            if not keep:
+                del self._channels[fd]
+                sock.close()
+        return bool(ready)
+
+    def _sleep(self) -> None:
+        """Until a submission or a channel's bytes: with the team asleep too where another daemon shares the
+        cores. A wake-up may come late (a submission's wake can follow the thread through that very work): the
+        loop then finds nothing and sleeps again."""
+        fds = [self._wake_fd, *self._channels]
+        lib = native.library()
+        if self._parking and lib is not None and self.park_when_idle():
+            wanted = (ctypes.c_int * len(fds))(*fds)
+            linger = self._linger_until - time.monotonic()
+            if linger > 0 and lib.spin_readable(wanted, len(fds), int(linger * 1e6)) > 0:
+                return
+            self.parks += 1
+            lib.wait_readable(wanted, len(fds), 1, -1)
+            return
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        poller.poll()
+
+
+def _peer(sock: socket.socket) -> str:
+    try:
+        name = sock.getpeername()
+    except OSError:
+        return "a closed peer"
+    return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else "a local peer"

@@ -24,6 +24,12 @@ class ForwardService(Protocol):
 
     async def forward(self, request: wire.ForwardRequest) -> wire.ForwardReply: ...
 
+    def serve_now(self, request: wire.ForwardRequest) -> wire.ForwardReply:
+        """One step on the torch thread itself: a step channel's (``daemon.server.channel``)."""
+
+    def serve_channel(self, sock, handler) -> bool:
+        """Hand a step channel's socket to the torch thread, which calls ``handler(sock)`` as its steps arrive."""
+
 
 class ChatHead(Protocol):
     """The OpenAI endpoints: generations this node heads (``daemon.mesh.head.Head``)."""

@@ -27,7 +27,9 @@ async def read_json(request: web.Request):
         raise BadRequest("the request body is not valid JSON") from None
 
 
-def error_response(exc: MeshError) -> web.Response:
+def error_parts(exc: MeshError) -> tuple[int, dict, dict[str, str]]:
+    """What a request that raised ``exc`` is answered: status, JSON body and extra headers (HTTP or a step
+    channel's frame alike)."""
     if isinstance(exc, CacheMiss):
         # The shape heads match on (docs/adr/0022-sessions-and-cache-misses.md): {"error": "cache_miss", "reason": ...}
         body = {"error": "cache_miss", "reason": exc.reason, "message": exc.message}
@@ -35,8 +37,13 @@ def error_response(exc: MeshError) -> web.Response:
         body = error_body(exc.message, type=exc.type, code=exc.code, param=exc.param)
         if isinstance(exc, Draining) and exc.moved_to:
             body["moved_to"] = exc.moved_to  # the node that took the step's session over (a head goes on there)
-    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
-    return web.json_response(body, status=exc.status, headers=headers)
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else {}
+    return exc.status, body, headers
+
+
+def error_response(exc: MeshError) -> web.Response:
+    status, body, headers = error_parts(exc)
+    return web.json_response(body, status=status, headers=headers or None)
 
 
 @web.middleware

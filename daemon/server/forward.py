@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from aiohttp import web
 
 from daemon import wire
@@ -13,12 +15,14 @@ async def forward(request: web.Request) -> web.Response:
     body = await request.read()
     parsed = wire.parse_forward(request.headers, body, hidden_size=service.hidden_size,
                                 first_layer=service.start, end_layer=service.end)
-    reply = await service.forward(parsed)
+    headers, body = reply_parts(await service.forward(parsed))
+    return web.Response(body=body, headers=headers)
+
+
+def reply_parts(reply: wire.ForwardReply) -> tuple[dict[str, str], bytes | bytearray | memoryview]:
+    """A step's answer as headers and body: the next hop's activations, or the tail's token as JSON."""
     headers = {wire.COMPUTE_MS: f"{reply.compute_ms:.3f}"}
     if reply.activation is not None:
-        return web.Response(
-            body=reply.activation.data,
-            content_type=wire.ACTIVATION_CONTENT_TYPE,
-            headers=reply.activation.headers() | headers,
-        )
-    return web.json_response(reply.token_json(), headers=headers)
+        return reply.activation.headers() | headers | {"Content-Type": wire.ACTIVATION_CONTENT_TYPE}, \
+            reply.activation.data
+    return headers | {"Content-Type": "application/json; charset=utf-8"}, json.dumps(reply.token_json()).encode()

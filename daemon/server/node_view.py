@@ -56,7 +56,8 @@ class NodeView:
             tokens_served=service.tokens_served, generations=head.generations, tokens_generated=head.tokens_generated,
             dtype=service.dtype, device=str(service.shard.device), quantize=self.quantize,
             memory=service.memory(), context_length=head.context_length, max_tokens_cap=head.max_tokens_cap,
-            speculation=service.caches,
+            speculation=service.caches, step_channels=service.executor.channels,
+            channel_steps=service.channel_steps,
         )
 
     def sessions(self) -> SessionList:

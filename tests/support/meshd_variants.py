@@ -9,7 +9,9 @@
                                                                          # a request whose X-Request-Id starts "forget-"
     python -m tests.support.meshd_variants no-speculation <meshd options>  # a node from before verify steps
 
-The node is meshd's own (``daemon.cli.load_node``, ``node_app``, ``run``); only a middleware is added.
+The node is meshd's own (``daemon.cli.load_node``, ``node_app``, ``run``); only a middleware is added. Each
+twist is on ``POST /forward``, so a variant opens no step channel (``GET /v1/steps`` answers 404, as a node from
+before them): every step of it takes the twist.
 """
 
 from __future__ import annotations
@@ -119,6 +121,13 @@ def middleware_for(variant: str):
                      "slow-prefill-MS")
 
 
+@web.middleware
+async def no_step_channels(request: web.Request, handler):
+    if request.path == "/v1/steps":
+        raise web.HTTPNotFound()
+    return await handler(request)
+
+
 def main(argv: list[str]) -> int:
     variant, *options = argv
     middleware = middleware_for(variant)
@@ -128,7 +137,7 @@ def main(argv: list[str]) -> int:
         print(f"meshd: error: {exc.message}", file=sys.stderr)
         return exc.code
     app = cli.node_app(node)
-    app.middlewares.append(middleware)
+    app.middlewares.extend([no_step_channels, middleware])
     return cli.run(app, node)
 
 

@@ -60,6 +60,7 @@ class Tails:
         self.older = older  # answer text only, like a tail from before token ids
         self.steps: list[tuple[str, str | None, int]] = []  # (node, mode, tokens fed)
         self.released: list[str] = []
+        self.channels = None  # no step channels: every remote hop goes through step()
 
     async def step(self, hop: Hop, activation: wire.Activation, headers: dict, history=None) -> HopReply:
         self.steps.append((hop.url, headers.get(wire.CACHE), activation.shape[1]))

@@ -6,7 +6,8 @@ modules together). Layers of the daemon, lowest first (``docs/architecture.md``:
 
     daemon.api, errors, logs    shapes and vocabulary, used everywhere; with them,
       host, settings            this machine's cores and CPU name, and the engine config.py's settings run on
-    wire, kvstore, metrics, config
+    wire, channel, kvstore,     the protocol (a step and its frames), session caches, metrics, settings
+      metrics, config
     model                       torch: the shard, the /forward step
     mesh                        the head: routes, the generation loop
     server                      aiohttp handlers
@@ -27,7 +28,7 @@ PACKAGES = ("daemon", "meshtui")
 
 LAYERS = [
     ("daemon", "daemon.api", "daemon.errors", "daemon.logs", "daemon.host", "daemon.settings"),
-    ("daemon.wire", "daemon.kvstore", "daemon.metrics", "daemon.config"),
+    ("daemon.wire", "daemon.channel", "daemon.kvstore", "daemon.metrics", "daemon.config"),
     ("daemon.model",),
     ("daemon.mesh",),
     ("daemon.server",),

@@ -8,7 +8,7 @@ import types
 
 import torch
 
-from daemon.model import service
+from daemon import host
 from daemon.model.service import ShardService
 
 
@@ -31,6 +31,6 @@ def test_the_peak_and_the_resident_set_come_from_one_reading(monkeypatch):
 
 
 def test_status_fields_are_read_by_name_and_a_missing_one_is_none():
-    found = service._proc_status_bytes("VmHWM", "VmRSS", "NoSuchField")
+    found = host.proc_status_bytes("VmHWM", "VmRSS", "NoSuchField")
     assert found["VmHWM"] >= found["VmRSS"] > 0 and found["NoSuchField"] is None
     assert found["VmRSS"] % 1024 == 0

@@ -402,7 +402,7 @@ class FakeOwnLayers:
     async def embed(self, token_ids, *, dtype):
         raise AssertionError("the local first hop embeds in its own step")
 
-    async def forward(self, request, *, token_ids=None):
+    async def forward(self, request, *, token_ids=None, then=None):
         self.requests.append((request, token_ids))
         return wire.ForwardReply(token_id=7, text="7")
 

@@ -449,6 +449,7 @@ class VerifyingTail:
 
     def __init__(self) -> None:
         self.steps: list[tuple[str | None, int, str | None]] = []  # (mode, positions, draft header)
+        self.channels = None  # no step channels: every remote hop goes through step()
 
     async def step(self, hop, activation, headers, history=None) -> HopReply:
         self.steps.append((headers.get(wire.CACHE), activation.shape[1], headers.get(wire.DRAFT)))

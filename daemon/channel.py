@@ -1,0 +1,128 @@
+"""The step channel: ``POST /forward``'s one-position decode steps over one upgraded connection, in frames.
+
+A two-node mesh on one 2-core host lost most of what separates it from one node between the two torch threads:
+each token woke an event loop and handed a step between it and a torch thread four times, and built and read
+HTTP twice (ADR-0048, ADR-0049). On a step channel the head's torch thread, having run its own layers, writes the
+step straight to the next node's socket, and that node's torch thread reads it, runs its layers and answers on
+the same socket: no event loop and no hand-off on either side.
+
+The channel is opened as an HTTP upgrade (``GET /v1/steps`` with ``Upgrade: meshnet-steps/1``), so the node's
+token and its draining refusal apply as to any request; after ``101 Switching Protocols`` the connection carries
+frames. A request frame is a ``/forward`` request, a reply frame its answer, with the same header names and
+bodies (:mod:`daemon.wire`); only the framing differs:
+
+- request: ``>II`` (length of the header block, length of the body), the header block, the body;
+- reply: ``>HII`` (HTTP status, the two lengths), the header block, the body.
+
+A header block is ``Name: value`` lines, each ended by CRLF, in latin-1. One step is in flight on a channel at a
+time. Only one-position decode steps travel this way (a prompt's long steps stay on ``POST /forward``); the node
+answers anything else with a 400 frame. The channel is plain TCP: a node reached over TLS is sent its steps on
+``POST /forward``.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Mapping
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from daemon.wire import header_lines
+
+PATH = "/v1/steps"
+UPGRADE = "meshnet-steps/1"
+REQUEST = struct.Struct(">II")
+REPLY = struct.Struct(">HII")
+MAX_HEADER_BYTES = 64 * 1024
+MAX_BODY_BYTES = 16 * 1024 * 1024  # a one-position step with a long penalty history is far below this
+FRAME_SECONDS = 5.0  # a frame whose first bytes came must be whole within this: a slow peer cannot hold the thread
+
+
+class ChannelClosed(ConnectionError):
+    """The peer hung up, broke the framing, or was too slow: the channel cannot carry another step."""
+
+
+def parse_headers(block: bytes) -> CIMultiDictProxy[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for line in block.decode("latin-1").split("\r\n"):
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not name or name != name.strip():
+            raise ChannelClosed(f"a malformed header line in a frame: {line[:80]!r}")
+        headers.add(name, value.strip())
+    return CIMultiDictProxy(headers)
+
+
+def request_frame(headers: Mapping[str, str], body: bytes | bytearray | memoryview) -> list:
+    block = header_lines(headers)
+    return [REQUEST.pack(len(block), len(body)), block, body]
+
+
+def reply_frame(status: int, headers: Mapping[str, str], body: bytes | bytearray | memoryview) -> list:
+    block = header_lines(headers)
+    return [REPLY.pack(status, len(block), len(body)), block, body]
+
+
+def send(sock: socket.socket, parts: list, *, timeout: float = FRAME_SECONDS) -> int:
+    """Write a frame's parts; its size in bytes. :class:`ChannelClosed` when the peer is gone or stops reading."""
+    sock.settimeout(timeout)
+    try:
+        sent = sock.sendmsg(parts)
+        total = sum(len(p) for p in parts)
+        if sent < total:  # rare: a full send buffer takes the rest as one write
+            sock.sendall(b"".join(bytes(p) for p in parts)[sent:])
+    except (OSError, TimeoutError) as exc:
+        raise ChannelClosed(f"the peer stopped taking steps ({exc})") from None
+    return total
+
+
+def read_request(sock: socket.socket) -> tuple[CIMultiDictProxy[str], bytearray] | None:
+    """The next request frame, its first bytes already arrived; None where the peer closed between frames."""
+    lengths = _read(sock, REQUEST.size, first=True)
+    if lengths is None:
+        return None
+    header_bytes, body_bytes = REQUEST.unpack(lengths)
+    _check(header_bytes, body_bytes)
+    return parse_headers(_read(sock, header_bytes)), _read(sock, body_bytes)
+
+
+def read_reply(sock: socket.socket) -> tuple[int, CIMultiDictProxy[str], bytearray, int]:
+    """The reply frame now arriving: status, headers, body and the frame's size in bytes."""
+    lengths = _read(sock, REPLY.size)
+    status, header_bytes, body_bytes = REPLY.unpack(lengths)
+    _check(header_bytes, body_bytes)
+    headers = parse_headers(_read(sock, header_bytes))
+    return status, headers, _read(sock, body_bytes), REPLY.size + header_bytes + body_bytes
+
+
+def _check(header_bytes: int, body_bytes: int) -> None:
+    if header_bytes > MAX_HEADER_BYTES or body_bytes > MAX_BODY_BYTES:
+        raise ChannelClosed(f"a frame of {header_bytes} header and {body_bytes} body bytes is over the limits "
+                            f"({MAX_HEADER_BYTES} and {MAX_BODY_BYTES})")
+
+
+def _read(sock: socket.socket, size: int, *, first: bool = False) -> bytearray | None:
+    """Exactly ``size`` bytes within :data:`FRAME_SECONDS`; None for a clean close before a frame's first byte."""
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    deadline = time.monotonic() + FRAME_SECONDS
+    while got < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ChannelClosed(f"a frame stopped arriving: {got} of {size} bytes in {FRAME_SECONDS:g} s")
+        sock.settimeout(left)
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError:
+            continue
+        except OSError as exc:
+            raise ChannelClosed(f"the peer broke the channel ({exc})") from None
+        if n == 0:
+            if first and got == 0:
+                return None
+            raise ChannelClosed(f"the peer hung up inside a frame ({got} of {size} bytes)")
+        got += n
+    return buffer

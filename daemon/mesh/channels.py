@@ -1,0 +1,216 @@
+"""The head's step channels (:mod:`daemon.channel`): opened on the event loop, used on the head's torch thread.
+
+A decode step whose route begins with the head's own layers runs them on the torch thread, and with channels
+open to the nodes after it, that thread goes on along the route itself (:func:`walk`): it writes each hop's step
+to its node's channel, sleeps (its OpenMP team too, where the cores are shared) until the answer arrives, and
+hands the event loop the tail's token at the end. Per token that is one hand-off to the torch thread and one
+back, where ``POST /forward`` hops add two on each node and HTTP on both ends (ADR-0049).
+
+While its channels are opening, or for a node reached over TLS, or while the head runs more than one
+generation (a walk holds the torch thread through the other nodes' compute, which other generations' steps
+could use), steps go on ``POST /forward``. A channel that breaks is dropped and its step sent there instead; a
+node that refuses to open one (an older meshd) is asked again after :data:`RETRY_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import select
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from daemon import channel, wire
+from daemon.api import Hop
+from daemon.errors import HopFailed
+from daemon.mesh.transport import HopResponse
+from daemon.model import native
+from daemon.wire import header_lines
+
+log = logging.getLogger(__name__)
+
+ENV = "MESHNET_STEP_CHANNELS"  # "off": every step goes on POST /forward (to measure what channels do)
+OPEN_SECONDS = 5.0  # to connect and upgrade
+RETRY_SECONDS = 60.0  # a node that would not open a channel is asked again after this
+
+
+class StepChannel:
+    """One open channel to a node: a blocking socket, one step in flight, used on the head's torch thread."""
+
+    def __init__(self, url: str, sock: socket.socket) -> None:
+        self.url = url
+        self.sock = sock
+        self.busy = False  # a walk holds it
+        self.closed = False
+
+    def exchange(self, headers: Mapping[str, str], body, *, timeout: float, team: bool) -> HopResponse:
+        """Send one step and read its answer within ``timeout`` seconds, asleep meanwhile (with the OpenMP team
+        where ``team``). :class:`channel.ChannelClosed` when the node hangs up, ``TimeoutError`` when it is late."""
+        sent = channel.send(self.sock, channel.request_frame(headers, body))
+        if not _wait_readable(self.sock.fileno(), timeout, team):
+            raise TimeoutError
+        status, reply_headers, reply_body, received = channel.read_reply(self.sock)
+        return HopResponse(status, reply_headers, bytes(reply_body), sent, received)
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+
+
+def _wait_readable(fd: int, timeout: float, team: bool) -> bool:
+    timeout_ms = max(1, int(timeout * 1000))
+    lib = native.library()
+    if lib is not None:
+        return lib.wait_readable((ctypes.c_int * 1)(fd), 1, int(team), timeout_ms) > 0
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout_ms))
+
+
+def step_channels_enabled() -> bool:
+    return os.environ.get(ENV, "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+class StepChannels:
+    """The head's open channels, one per node URL. ``headers`` go on each upgrade (the mesh token);
+    ``allowed()`` says whether walks may use them now (the head runs one generation), ``team()`` whether the
+    torch thread's OpenMP team sleeps while it waits for an answer (another daemon shares the cores)."""
+
+    def __init__(self, *, headers: Mapping[str, str] | None = None, enabled: bool = True) -> None:
+        self._headers = header_lines(headers or {})
+        self.enabled = enabled
+        self.allowed: Callable[[], bool] = lambda: True
+        self.team: Callable[[], bool] = lambda: False
+        self._open: dict[str, StepChannel] = {}
+        self._opening: dict[str, asyncio.Task] = {}
+        self._refused: dict[str, float] = {}  # url -> when a node last would not open one
+        self.opened = 0  # channels opened, for the status and the tests
+
+    def for_hops(self, hops: list[Hop]) -> list[StepChannel] | None:
+        """A channel to each node of ``hops`` (in order, each free), taken for a walk; else None, and the
+        missing ones start opening."""
+        if not self.enabled or not hops or not self.allowed():
+            return None
+        found = []
+        for hop in hops:
+            chan = self._open.get(hop.url)
+            if chan is None or chan.closed:
+                self._open.pop(hop.url, None)
+                self._start_opening(hop.url)
+                return None
+            if chan.busy:
+                return None
+            found.append(chan)
+        for chan in found:
+            chan.busy = True
+        return found
+
+    def give_back(self, channels: list[StepChannel]) -> None:
+        for chan in channels:
+            chan.busy = False
+            if chan.closed and self._open.get(chan.url) is chan:
+                del self._open[chan.url]
+
+    def close(self) -> None:
+        for task in self._opening.values():
+            task.cancel()
+        for chan in self._open.values():
+            chan.close()
+        self._open.clear()
+
+    def _start_opening(self, url: str) -> None:
+        if url in self._opening or time.monotonic() - self._refused.get(url, -RETRY_SECONDS) < RETRY_SECONDS:
+            return
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:  # TLS nodes take their steps on POST /forward
+            self._refused[url] = float("inf")
+            return
+        task = asyncio.get_running_loop().create_task(self._open_one(url, parts.hostname, parts.port or 80,
+                                                                     parts.netloc.rpartition("@")[2]))
+        self._opening[url] = task
+        task.add_done_callback(lambda _: self._opening.pop(url, None))
+
+    async def _open_one(self, url: str, host: str, port: int, host_header: str) -> None:
+        writer = None
+        try:
+            async with asyncio.timeout(OPEN_SECONDS):
+                reader, writer = await asyncio.open_connection(host, port)
+                writer.write(f"GET {channel.PATH} HTTP/1.1\r\nHost: {host_header}\r\nConnection: Upgrade\r\n"
+                             f"Upgrade: {channel.UPGRADE}\r\n".encode() + self._headers + b"\r\n")
+                head = await reader.readuntil(b"\r\n\r\n")
+            status_line = head.split(b"\r\n", 1)[0]
+            if status_line.split(b" ")[1:2] != [b"101"] or reader.at_eof() or len(reader._buffer):  # noqa: SLF001
+                raise OSError(f"it answered {status_line.decode('latin-1')[:80]!r}")
+            sock = socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno()))
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, IndexError) as exc:
+            log.info("no step channel to %s (%s): its steps go on POST /forward", url, exc or type(exc).__name__)
+            self._refused[url] = time.monotonic()
+            return
+        finally:
+            if writer is not None:
+                writer.transport.abort()  # the loop lets go of its descriptor; the channel keeps the duplicate
+        self.add(url, sock)
+
+    def add(self, url: str, sock: socket.socket) -> StepChannel:
+        """Use ``sock``, a connection already switched to frames, as the channel to ``url``."""
+        sock.setblocking(True)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        chan = self._open[url] = StepChannel(url, sock)
+        self.opened += 1
+        return chan
+
+
+@dataclass
+class Leg:
+    """One remote hop of a walk: its place in the route, its channel, and its step's headers for an input."""
+
+    index: int
+    hop: Hop
+    chan: StepChannel
+    headers: Callable[[wire.Activation], dict[str, str]]
+    history: wire.History | None = None  # the tail's, after the activation's bytes
+
+
+@dataclass
+class Walked:
+    """What a walk got: each hop's ``(index, input, total ms, reply)``, and where it stopped, if it did:
+    ``(index, input, error)``, the error what the hop raised (a :class:`channel.ChannelClosed`: the loop sends
+    that hop's step on ``POST /forward``)."""
+
+    answered: list[tuple[int, wire.Activation, float, object]] = field(default_factory=list)
+    stopped: tuple[int, wire.Activation, Exception] | None = None
+
+
+def walk(activation: wire.Activation, legs: list[Leg], convert, *, timeout: float, team: Callable[[], bool]) -> Walked:
+    """On the head's torch thread: the rest of a step's route from ``activation`` (the head's own layers' output)
+    over the legs' channels. ``convert(hop, response, activation)`` makes a reply of an answer or raises what the
+    loop raises for it (a cache miss, a failed hop)."""
+    walked = Walked()
+    for leg in legs:
+        started = time.perf_counter()
+        body = activation.data if leg.history is None else bytes(activation.data) + leg.history.to_bytes()
+        try:
+            try:
+                response = leg.chan.exchange(leg.headers(activation), body, timeout=timeout, team=team())
+            except TimeoutError:
+                leg.chan.close()
+                raise HopFailed(leg.hop.url, f"{leg.hop.url} is unreachable: timed out after {timeout:.0f} s",
+                                reason="timed_out") from None
+            except channel.ChannelClosed:
+                leg.chan.close()
+                raise
+            reply = convert(leg.hop, response, activation)
+        except Exception as exc:  # noqa: BLE001 - the loop raises it, as it would a POST /forward hop's
+            walked.stopped = leg.index, activation, exc
+            return walked
+        walked.answered.append((leg.index, activation, (time.perf_counter() - started) * 1000.0, reply))
+        if reply.activation is None:
+            return walked
+        activation = reply.activation
+    return walked

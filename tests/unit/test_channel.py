@@ -1,0 +1,198 @@
+"""The step channel's frames (``daemon.channel``) over real socket pairs, and the torch thread serving channels
+(``daemon.model.worker.TorchThread.serve``) between the work submitted to it."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from daemon import channel
+from daemon.model.worker import TorchThread
+from daemon.wire import header_lines
+from tests.support.watch import wait_for
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_a_request_frame_arrives_whole_with_its_headers_read_case_blind(pair):
+    a, b = pair
+    body = bytes(range(256)) * 40
+    sent = channel.send(a, channel.request_frame({"X-Meshnet-Session": "s1", "Content-Type": "x/y"}, body))
+    headers, got = channel.read_request(b)
+    assert got == body and sent == channel.REQUEST.size + len(header_lines(
+        {"X-Meshnet-Session": "s1", "Content-Type": "x/y"})) + len(body)
+    assert headers["x-meshnet-session"] == "s1" and headers["Content-Type"] == "x/y"
+
+
+def test_a_reply_frame_carries_its_status_and_its_size(pair):
+    a, b = pair
+    sent = channel.send(b, channel.reply_frame(409, {"Content-Type": "application/json"}, b'{"error": "cache_miss"}'))
+    status, headers, body, size = channel.read_reply(a)
+    assert (status, headers["content-type"], bytes(body), size) == (409, "application/json",
+                                                                     b'{"error": "cache_miss"}', sent)
+
+
+def test_a_peer_that_closes_between_frames_ends_the_channel_quietly(pair):
+    a, b = pair
+    a.close()
+    assert channel.read_request(b) is None
+
+
+def test_a_peer_that_hangs_up_inside_a_frame_breaks_it(pair):
+    a, b = pair
+    a.sendall(channel.REQUEST.pack(10, 100) + b"X-A: 1\r\n")
+    a.close()
+    with pytest.raises(channel.ChannelClosed, match="hung up inside a frame"):
+        channel.read_request(b)
+
+
+def test_a_frame_over_the_limits_is_refused_before_its_bytes_are_read(pair):
+    a, b = pair
+    a.sendall(channel.REQUEST.pack(16, channel.MAX_BODY_BYTES + 1))
+    with pytest.raises(channel.ChannelClosed, match="over the limits"):
+        channel.read_request(b)
+    a.sendall(channel.REPLY.pack(200, channel.MAX_HEADER_BYTES + 1, 0))
+    with pytest.raises(channel.ChannelClosed, match="over the limits"):
+        channel.read_reply(b)
+
+
+def test_a_malformed_header_line_breaks_the_frame(pair):
+    a, b = pair
+    block = b"no colon here\r\n"
+    a.sendall(channel.REQUEST.pack(len(block), 0) + block)
+    with pytest.raises(channel.ChannelClosed, match="malformed header"):
+        channel.read_request(b)
+
+
+def test_a_frame_that_stops_arriving_is_given_up_after_its_deadline(pair, monkeypatch):
+    monkeypatch.setattr(channel, "FRAME_SECONDS", 0.3)
+    a, b = pair
+    a.sendall(struct.pack(">I", 5))  # half the lengths, then nothing
+    started = time.monotonic()
+    with pytest.raises(channel.ChannelClosed, match="stopped arriving"):
+        channel.read_request(b)
+    assert 0.25 < time.monotonic() - started < 3
+
+
+def test_headers_that_cannot_be_framed_are_refused_before_anything_is_sent():
+    with pytest.raises(ValueError, match="cannot be sent"):
+        channel.request_frame({"X-Bad": "a\r\nX-Injected: 1"}, b"")
+
+
+# --- the torch thread serving channels --------------------------------------------------------------------------
+
+
+def echo_steps(served: list[str]):
+    """A channel handler that answers each request frame with its body, on the thread that calls it."""
+
+    def handle(sock: socket.socket) -> bool:
+        frame = channel.read_request(sock)
+        if frame is None:
+            return False
+        headers, body = frame
+        served.append(threading.current_thread().name)
+        if headers.get("X-Stop"):
+            return False
+        channel.send(sock, channel.reply_frame(200, {}, body))
+        return True
+
+    return handle
+
+
+def exchange(sock: socket.socket, body: bytes, headers: dict | None = None) -> bytes:
+    channel.send(sock, channel.request_frame(headers or {}, body))
+    return bytes(channel.read_reply(sock)[2])
+
+
+def test_the_torch_thread_answers_a_channel_between_the_work_submitted_to_it():
+    thread = TorchThread("test-torch")
+    ours, theirs = socket.socketpair()
+    served: list[str] = []
+    try:
+        assert thread.serve(theirs, echo_steps(served))
+        for i in range(20):
+            assert exchange(ours, b"step %d" % i) == b"step %d" % i
+            assert thread.submit(lambda n=i: n + 1).result(timeout=5) == i + 1
+        assert set(served) == {"test-torch"} and len(served) == 20
+        assert thread.channels == 1
+    finally:
+        thread.shutdown()
+        ours.close()
+
+
+def test_a_channel_its_handler_ends_or_its_peer_leaves_is_closed_and_the_thread_goes_on():
+    thread = TorchThread()
+    served: list[str] = []
+    first, second = socket.socketpair(), socket.socketpair()
+    try:
+        thread.serve(first[1], echo_steps(served))
+        thread.serve(second[1], echo_steps(served))
+        assert exchange(first[0], b"a") == b"a" and exchange(second[0], b"b") == b"b"
+        channel.send(first[0], channel.request_frame({"X-Stop": "1"}, b""))
+        assert first[0].recv(1) == b""  # the handler said no more: the thread closed its end
+        second[0].close()  # the peer hung up
+        wait_for(lambda: thread.channels == 0, timeout=5, interval=0.01)
+        assert thread.submit(lambda: "still working").result(timeout=5) == "still working"
+    finally:
+        thread.shutdown()
+        first[0].close()
+
+
+def test_a_failing_handler_closes_its_channel_only():
+    thread = TorchThread()
+    ours, theirs = socket.socketpair()
+
+    def broken(sock):
+        sock.recv(100)
+        raise RuntimeError("a bug in a handler")
+
+    try:
+        thread.serve(theirs, broken)
+        ours.sendall(b"anything")
+        assert ours.recv(1) == b""
+        assert thread.submit(lambda: 3).result(timeout=5) == 3
+    finally:
+        thread.shutdown()
+        ours.close()
+
+
+def test_shutting_the_thread_down_closes_its_channels_and_refuses_new_ones():
+    thread = TorchThread()
+    ours, theirs = socket.socketpair()
+    thread.serve(theirs, echo_steps([]))
+    assert exchange(ours, b"x") == b"x"
+    thread.shutdown()
+    assert ours.recv(1) == b""
+    late_ours, late_theirs = socket.socketpair()
+    assert not thread.serve(late_theirs, echo_steps([]))
+    assert late_ours.recv(1) == b""  # refused: closed at once
+    ours.close()
+    late_ours.close()
+
+
+def test_an_idle_thread_with_a_channel_parks_and_the_channel_wakes_it():
+    from daemon.model import native
+
+    if native.library() is None:
+        pytest.skip("no C compiler here: nothing parks")
+    thread = TorchThread()
+    thread.park_when_idle = lambda: True
+    ours, theirs = socket.socketpair()
+    try:
+        thread.serve(theirs, echo_steps([]))
+        for i in range(10):
+            wait_for(lambda i=i: thread.parks > i, timeout=5, interval=0.005)  # asleep on the channel and the queue
+            assert exchange(ours, b"%d" % i) == b"%d" % i
+    finally:
+        thread.shutdown()
+        ours.close()
