@@ -15,7 +15,6 @@ node that refuses to open one (an older meshd) is asked again after :data:`RETRY
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import select
@@ -50,26 +49,28 @@ class StepChannel:
 
     def exchange(self, headers: Mapping[str, str], body, *, timeout: float, team: bool) -> HopResponse:
         """Send one step and read its answer within ``timeout`` seconds, asleep meanwhile (with the OpenMP team
-        where ``team``). :class:`channel.ChannelClosed` when the node hangs up, ``TimeoutError`` when it is late."""
-        sent = channel.send(self.sock, channel.request_frame(headers, body))
-        if not _wait_readable(self.sock.fileno(), timeout, team):
+        where ``team``: put to sleep before the step is written, so the node it wakes finds the cores free).
+        :class:`channel.ChannelClosed` when the node hangs up, ``TimeoutError`` when it is late."""
+        frame = b"".join(channel.request_frame(headers, body))
+        lib = native.library()
+        if lib is None:
+            channel.send(self.sock, [frame], timeout=timeout)
+            poller = select.poll()
+            poller.register(self.sock.fileno(), select.POLLIN)
+            ready = len(poller.poll(max(1, int(timeout * 1000))))
+        else:
+            ready = lib.wait_readable([self.sock.fileno()], team=team, timeout=timeout, send_fd=self.sock.fileno(),
+                                      data=frame)
+            if ready == -2:
+                raise channel.ChannelClosed("the node stopped taking steps")
+        if not ready:
             raise TimeoutError
         status, reply_headers, reply_body, received = channel.read_reply(self.sock)
-        return HopResponse(status, reply_headers, bytes(reply_body), sent, received)
+        return HopResponse(status, reply_headers, bytes(reply_body), len(frame), received)
 
     def close(self) -> None:
         self.closed = True
         self.sock.close()
-
-
-def _wait_readable(fd: int, timeout: float, team: bool) -> bool:
-    timeout_ms = max(1, int(timeout * 1000))
-    lib = native.library()
-    if lib is not None:
-        return lib.wait_readable((ctypes.c_int * 1)(fd), 1, int(team), timeout_ms) > 0
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(timeout_ms))
 
 
 def step_channels_enabled() -> bool:

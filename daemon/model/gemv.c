@@ -18,7 +18,8 @@
 #include <string.h>
 #include <limits.h>
 #include <poll.h>
-#include <time.h>
+#include <errno.h>
+#include <sys/socket.h>
 #ifdef __linux__
 #include <unistd.h>
 #endif
@@ -828,17 +829,41 @@ void meshnet_llama_layer(const struct layer *L, float *hidden, const float *cos,
 /* ---- sleeping with the OpenMP team between steps (daemon/model/worker.py) -------------------------------------
  *
  * After a parallel region libgomp's workers spin (GOMP_SPINCOUNT) before they sleep, on a core that another daemon
- * on this host may be computing on. meshnet_wait_readable(fds, n, team, timeout) puts the calling thread, and with
- * team != 0 every thread of its team, to sleep in poll(2) until one of the descriptors is readable (a submission's
- * eventfd, a step channel's socket) or the timeout (ms, -1 for none) passes: the bytes wake the whole team at
- * once, ready for the next step, without it being destroyed and made again. Answers poll's count (0: timed out). */
+ * on this host may be computing on. meshnet_send_and_wait(send_fd, buf, len, fds, n, team, timeout) first writes
+ * buf to send_fd (none when send_fd < 0: a step's answer, or a step for the next node), then puts the calling
+ * thread, and with team != 0 every thread of its team, to sleep in poll(2) until one of fds is readable (a
+ * submission's eventfd, a step channel's socket) or the timeout (ms, -1 for none) passes: the bytes wake the whole
+ * team at once, ready for the next step, without it being destroyed and made again.
+ *
+ * The write happens inside the region, after the workers are already asleep: bytes that wake another daemon on
+ * this host, which then computes on every core, must not find this team's workers still spinning there (nor this
+ * thread, woken later, still to park them). Answers poll's count (0: timed out), or -2 when the write failed. */
 
 #define MESHNET_MAX_WAIT_FDS 64
 
-int meshnet_wait_readable(const int *fds, int n, int team, int timeout_ms) {
+static int send_all(int fd, const char *buf, long len, int timeout_ms) {
+    while (len > 0) {
+        ssize_t n = send(fd, buf, (size_t)len, MSG_NOSIGNAL);
+        if (n > 0) {
+            buf += n;
+            len -= n;
+        } else if (n < 0 && errno == EINTR) {
+            continue;
+        } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {  /* a full send buffer: wait for room */
+            struct pollfd out = {fd, POLLOUT, 0};
+            if (poll(&out, 1, timeout_ms) <= 0) return -1;
+        } else {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int meshnet_send_and_wait(int send_fd, const char *buf, long len, const int *fds, int n, int team, int timeout_ms) {
     if (n < 0 || n > MESHNET_MAX_WAIT_FDS) return -1;
-    int ready = 0;
+    int ready = 0, failed = 0;
     if (!team) {
+        if (send_fd >= 0 && send_all(send_fd, buf, len, timeout_ms) != 0) return -2;
         struct pollfd p[MESHNET_MAX_WAIT_FDS];
         for (int i = 0; i < n; i++) p[i] = (struct pollfd){fds[i], POLLIN, 0};
         return poll(p, (nfds_t)n, timeout_ms);
@@ -847,26 +872,14 @@ int meshnet_wait_readable(const int *fds, int n, int team, int timeout_ms) {
     {
         struct pollfd p[MESHNET_MAX_WAIT_FDS];
         for (int i = 0; i < n; i++) p[i] = (struct pollfd){fds[i], POLLIN, 0};
-        int got = poll(p, (nfds_t)n, timeout_ms);
+        int skip = 0;
+#pragma omp master
+        {
+            if (send_fd >= 0 && send_all(send_fd, buf, len, timeout_ms) != 0) failed = skip = 1;
+        }
+        int got = skip ? 0 : poll(p, (nfds_t)n, timeout_ms);
 #pragma omp master
         ready = got;
     }
-    return ready;
-}
-
-/* the calling thread alone polls the descriptors without sleeping for up to spin_us microseconds (its team's
- * workers spin on, as libgomp has them do after a region): for a submission known to be on its way, which a
- * sleeping team would take a wake-up of every thread to start. Answers poll's count (0: none came). */
-int meshnet_spin_readable(const int *fds, int n, long spin_us) {
-    if (n < 0 || n > MESHNET_MAX_WAIT_FDS) return -1;
-    struct pollfd p[MESHNET_MAX_WAIT_FDS];
-    for (int i = 0; i < n; i++) p[i] = (struct pollfd){fds[i], POLLIN, 0};
-    struct timespec start, now;
-    clock_gettime(CLOCK_MONOTONIC, &start);
-    for (;;) {
-        int got = poll(p, (nfds_t)n, 0);
-        if (got != 0) return got;
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        if ((now.tv_sec - start.tv_sec) * 1000000L + (now.tv_nsec - start.tv_nsec) / 1000 >= spin_us) return 0;
-    }
+    return failed ? -2 : ready;
 }

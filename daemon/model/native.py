@@ -95,12 +95,18 @@ class Library:
         self.q8_floats = lib.meshnet_q8_floats
         self.q8_floats.argtypes = [_L]
         self.q8_floats.restype = _L
-        self.wait_readable = lib.meshnet_wait_readable  # ctypes lets go of the GIL while the team sleeps
-        self.wait_readable.argtypes = [ctypes.POINTER(_I), _I, _I, _I]
-        self.wait_readable.restype = _I
-        self.spin_readable = lib.meshnet_spin_readable
-        self.spin_readable.argtypes = [ctypes.POINTER(_I), _I, _L]
-        self.spin_readable.restype = _I
+        self.send_and_wait = lib.meshnet_send_and_wait  # ctypes lets go of the GIL while the team sleeps
+        self.send_and_wait.argtypes = [_I, ctypes.c_char_p, _L, ctypes.POINTER(_I), _I, _I, _I]
+        self.send_and_wait.restype = _I
+
+    def wait_readable(self, fds: list[int], *, team: bool, timeout: float | None = None, send_fd: int = -1,
+                      data: bytes = b"") -> int:
+        """Write ``data`` to ``send_fd`` (if any), then sleep, with the calling thread's OpenMP team where
+        ``team``, until one of ``fds`` is readable or ``timeout`` seconds pass: poll's count (0: timed out), -2
+        when the write failed (see ``meshnet_send_and_wait``)."""
+        timeout_ms = -1 if timeout is None else max(1, int(timeout * 1000))
+        return self.send_and_wait(send_fd, data, len(data), (ctypes.c_int * len(fds))(*fds), len(fds), int(team),
+                                  timeout_ms)
 
 
 @functools.cache

@@ -10,15 +10,17 @@ Between steps: after a parallel region libgomp's workers spin for a while (``GOM
 about 3 ms here) before they sleep, which bridges the short gaps between one step's regions. A single stream
 through two daemons on one host computes on one, then the other; the first one's workers then spin on the cores
 the second computes on, for most of an int8 half-model step. Where another daemon shares the host and the
-thread has nothing queued, it *parks* its team (``meshnet_wait_readable`` in ``gemv.c``): every thread of it
+thread has nothing queued, it *parks* its team (``meshnet_send_and_wait`` in ``gemv.c``): every thread of it
 sleeps in poll(2) at once, and the next submission (a write to an eventfd) or a step channel's bytes wake them
 together, the team kept. A lone daemon never parks: its gaps between steps are short and a spinning team takes
-the next step without a wake-up.
+the next step without a wake-up. ``MESHNET_PARK=off`` never parks (to measure what parking does).
 
 Step channels (:mod:`daemon.channel`): connections whose one-position steps this thread reads, computes and
 answers itself, with no event loop between the socket and the layers. It waits on their sockets as on its
-queue, and serves a channel when its next step has arrived, between the submissions it runs.
-``MESHNET_PARK=off`` never parks (to measure what parking does).
+queue, and serves a channel when its next step has arrived, between the submissions it runs. A step's answer
+is written by the same call that parks the team, once its workers sleep: the answer wakes the daemon that
+computes next, which must not find this team still spinning on its cores (written first, the tail's workers
+spun through the head's next step: a two-node int4 mesh ran at 0.74 of one node, against 0.81).
 
 Measured on a 2-core host, a two-node mesh against one node with every layer, single stream: int8 0.87x with
 parking, 0.70x without; float32 0.94x and 0.69x (BENCHMARKS.md, "Against llama.cpp").
@@ -26,7 +28,6 @@ parking, 0.70x without; float32 0.94x and 0.69x (BENCHMARKS.md, "Against llama.c
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import queue
@@ -44,8 +45,9 @@ log = logging.getLogger(__name__)
 PARK_ENV = "MESHNET_PARK"  # "off": the team spins and sleeps as libgomp decides
 MAX_CHANNELS = 60  # a poll waits on the submissions' eventfd and these (gemv.c takes 64 descriptors)
 
-# a channel's handler: serves the step whose bytes have arrived on the socket; False closes the channel
-ChannelHandler = Callable[[socket.socket], bool]
+# a channel's handler: reads the step whose bytes have arrived on the socket and answers the frame to write back
+# (written by the thread as it goes to sleep, see _sleep), or None to close the channel
+ChannelHandler = Callable[[socket.socket], bytes | None]
 
 
 class TorchThread(Executor):
@@ -59,10 +61,11 @@ class TorchThread(Executor):
         self.park_when_idle: Callable[[], bool] = lambda: False
         self._parking = os.environ.get(PARK_ENV, "on").strip().lower() not in ("off", "0", "false", "no")
         self.parks = 0  # times the team was parked
-        self._linger_until = 0.0  # monotonic: until then an idle thread waits for a submission awake (linger)
+        self._linger_until = 0.0  # monotonic: until then an idle thread sleeps alone, its team left spinning
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._channels: dict[int, tuple[socket.socket, ChannelHandler]] = {}  # by descriptor; this thread's own
         self._handed: list[tuple[socket.socket, ChannelHandler]] = []  # from other threads, taken on when awake
+        self._answer: tuple[int, bytes] | None = None  # a channel's step answer to write, and on which channel
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -77,7 +80,7 @@ class TorchThread(Executor):
 
     def serve(self, sock: socket.socket, handler: ChannelHandler) -> bool:
         """Serve a step channel on this thread from now on: ``handler(sock)`` each time bytes arrive, until it
-        answers False or the peer hangs up (the socket is then closed). False, and the socket closed, when the
+        answers None or the peer hangs up (the socket is then closed). False, and the socket closed, when the
         thread is shut down or serves as many channels as it can."""
         with self._lock:
             if self._closed or len(self._channels) + len(self._handed) >= MAX_CHANNELS:
@@ -89,8 +92,10 @@ class TorchThread(Executor):
 
     def linger(self, seconds: float) -> None:
         """On this thread, from the work it runs: the next submission is on its way (the head's generation loop
-        sends its next step as soon as it has this one's token), so wait up to ``seconds`` for it awake before
-        parking: a parked team's wake-up would cost more than the wait."""
+        sends its next step as soon as it has this one's token). For up to ``seconds`` the thread then waits
+        for it alone, its team's workers left spinning as libgomp has them do after a region, rather than
+        parking them all: the next step starts without waking the team (on a VM, a core gone idle is slow
+        and uneven to wake)."""
         self._linger_until = time.monotonic() + seconds
 
     @property
@@ -139,6 +144,7 @@ class TorchThread(Executor):
                 else:
                     if item is None:
                         return
+                    self._send_answer()  # an answer waits for nothing else
                     self._run(item)
                     ran = True
                 if self._channels and self._serve_ready(self._poll(0)):
@@ -146,6 +152,7 @@ class TorchThread(Executor):
                 if not ran:
                     self._sleep()
         finally:
+            self._send_answer()
             for sock, _ in [*self._channels.values(), *self._handed]:
                 sock.close()
             self._channels.clear()
@@ -179,35 +186,58 @@ class TorchThread(Executor):
 
     def _serve_ready(self, ready: list[int]) -> bool:
         for fd in ready:
+            self._send_answer()
+            if fd not in self._channels:  # closed as the last answer failed to go out
+                continue
             sock, handler = self._channels[fd]
             try:
-                keep = handler(sock)
+                answer = handler(sock)
             except Exception:  # noqa: BLE001 - one channel's failure closes it, never the thread
                 log.exception("step channel from %s failed; closed", _peer(sock))
-                keep = False
-            if not keep:
-                del self._channels[fd]
-                sock.close()
+                answer = None
+            if answer is None:
+                self._close(fd)
+            else:
+                self._answer = fd, answer
         return bool(ready)
+
+    def _send_answer(self) -> None:
+        """Write the last step's answer now (other work comes first; or a sleep without the native library)."""
+        if self._answer is None:
+            return
+        (fd, data), self._answer = self._answer, None
+        try:
+            self._channels[fd][0].sendall(data)
+        except OSError:
+            self._close(fd)
+
+    def _close(self, fd: int) -> None:
+        closing = self._channels.pop(fd, None)
+        if closing is not None:
+            closing[0].close()
 
     def _sleep(self) -> None:
         """Until a submission or a channel's bytes: with the team asleep too where another daemon shares the
-        cores. A wake-up may come late (a submission's wake can follow the thread through that very work): the
-        loop then finds nothing and sleeps again."""
-        fds = [self._wake_fd, *self._channels]
+        cores, after the last step's answer is written (the write wakes the daemon that computes next, which
+        must find this team asleep already). A wake-up may come late (a submission's wake can follow the thread
+        through that very work): the loop then finds nothing and sleeps again."""
         lib = native.library()
-        if self._parking and lib is not None and self.park_when_idle():
-            wanted = (ctypes.c_int * len(fds))(*fds)
-            linger = self._linger_until - time.monotonic()
-            if linger > 0 and lib.spin_readable(wanted, len(fds), int(linger * 1e6)) > 0:
-                return
-            self.parks += 1
-            lib.wait_readable(wanted, len(fds), 1, -1)
+        if lib is None:
+            self._send_answer()
+            poller = select.poll()
+            for fd in [self._wake_fd, *self._channels]:
+                poller.register(fd, select.POLLIN)
+            poller.poll()
             return
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        poller.poll()
+        (send_fd, data), self._answer = self._answer or (-1, b""), None
+        fds = [self._wake_fd, *self._channels]
+        team = self._parking and self.park_when_idle()
+        if team and send_fd < 0 and self._linger_until > time.monotonic():
+            if lib.wait_readable(fds, team=False, timeout=self._linger_until - time.monotonic()) > 0:
+                return
+        self.parks += team
+        if lib.wait_readable(fds, team=team, send_fd=send_fd, data=data) == -2:
+            self._close(send_fd)
 
 
 def _peer(sock: socket.socket) -> str:

@@ -3,7 +3,8 @@
 The upgrade passes the middlewares as any request does (the token, the drain refusal). The handler stops the
 event loop reading the connection, answers ``101 Switching Protocols``, and hands a duplicate of the socket to
 the torch thread; aiohttp then closes its own. From there :class:`ChannelSteps` reads each frame on the torch
-thread, runs it as ``POST /forward`` would (:meth:`ShardService.serve_now`) and answers in a frame: a malformed
+thread, runs it as ``POST /forward`` would (:meth:`ShardService.serve_now`) and answers in a frame, which the
+thread writes as it puts its OpenMP team to sleep (:class:`daemon.model.worker.TorchThread`): a malformed
 step gets the same 4xx, a failed one the same 5xx, and the channel stays open. A broken frame, a peer too slow
 to send one, or a node that begins to drain closes the channel; the head then sends that step on
 ``POST /forward``, where a draining node answers as it does every request.
@@ -70,24 +71,24 @@ class ChannelSteps:
         self._node = node
         self._service = node.service
 
-    def __call__(self, sock: socket.socket) -> bool:
+    def __call__(self, sock: socket.socket) -> bytes | None:
+        """The answer to the step that arrived, as the frame the torch thread writes back; None closes the channel."""
         if self._node.draining:  # closed unread: the head sends the step to POST /forward, which refuses it
-            return False
+            return None
         try:
             frame = channel.read_request(sock)
-            if frame is None:
-                return False
-            headers, body = frame
-            token = request_id.set(request_id_from(headers.get(REQUEST_ID_HEADER)))
-            try:
-                status, reply_headers, reply_body = self._answer(headers, body)
-            finally:
-                request_id.reset(token)
-            channel.send(sock, channel.reply_frame(status, reply_headers, reply_body))
         except channel.ChannelClosed as exc:
             log.info("step channel closed: %s", exc)
-            return False
-        return True
+            return None
+        if frame is None:
+            return None
+        headers, body = frame
+        token = request_id.set(request_id_from(headers.get(REQUEST_ID_HEADER)))
+        try:
+            status, reply_headers, reply_body = self._answer(headers, body)
+        finally:
+            request_id.reset(token)
+        return b"".join(channel.reply_frame(status, reply_headers, reply_body))
 
     def _answer(self, headers, body: bytearray) -> tuple[int, dict[str, str], bytes]:
         service = self._service

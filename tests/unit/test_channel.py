@@ -95,16 +95,15 @@ def test_headers_that_cannot_be_framed_are_refused_before_anything_is_sent():
 def echo_steps(served: list[str]):
     """A channel handler that answers each request frame with its body, on the thread that calls it."""
 
-    def handle(sock: socket.socket) -> bool:
+    def handle(sock: socket.socket) -> bytes | None:
         frame = channel.read_request(sock)
         if frame is None:
-            return False
+            return None
         headers, body = frame
         served.append(threading.current_thread().name)
         if headers.get("X-Stop"):
-            return False
-        channel.send(sock, channel.reply_frame(200, {}, body))
-        return True
+            return None
+        return b"".join(channel.reply_frame(200, {}, body))
 
     return handle
 
@@ -195,4 +194,61 @@ def test_an_idle_thread_with_a_channel_parks_and_the_channel_wakes_it():
             assert exchange(ours, b"%d" % i) == b"%d" % i
     finally:
         thread.shutdown()
+        ours.close()
+
+
+def test_a_thread_told_its_next_step_is_coming_waits_for_it_without_parking_the_team():
+    from daemon.model import native
+
+    if native.library() is None:
+        pytest.skip("no C compiler here: nothing parks")
+    thread = TorchThread()
+    thread.park_when_idle = lambda: True
+    try:
+        thread.submit(lambda: None).result(timeout=5)
+        wait_for(lambda: thread.parks >= 1, timeout=5, interval=0.005)
+        for _ in range(5):
+            parks = thread.parks
+            thread.submit(thread.linger, 1.0).result(timeout=5)  # as a walk's job does
+            time.sleep(0.05)
+            assert thread.parks == parks  # waiting alone, the team not parked
+            thread.submit(lambda: None).result(timeout=5)
+        thread.submit(thread.linger, 0.05).result(timeout=5)
+        wait_for(lambda: thread.parks > parks, timeout=5, interval=0.005)  # after the linger, it parks
+    finally:
+        thread.shutdown()
+
+
+def test_an_answer_the_peer_cannot_take_closes_its_channel():
+    thread = TorchThread()
+    served: list[str] = []
+    ours, theirs = socket.socketpair()
+    try:
+        thread.serve(theirs, echo_steps(served))
+        channel.send(ours, channel.request_frame({}, b"x" * 100))
+        ours.shutdown(socket.SHUT_RD)  # the answer cannot be delivered: writing it fails
+        ours.close()
+        wait_for(lambda: thread.channels == 0, timeout=5, interval=0.01)
+        assert served and thread.submit(lambda: "on").result(timeout=5) == "on"
+    finally:
+        thread.shutdown()
+
+
+@pytest.mark.parametrize("team", [False, True])
+def test_the_native_wait_writes_first_then_sleeps_until_readable_and_says_when_the_write_fails(team):
+    from daemon.model import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no C compiler here")
+    ours, theirs = socket.socketpair()
+    try:
+        started = time.monotonic()
+        assert lib.wait_readable([ours.fileno()], team=team, timeout=0.2, send_fd=ours.fileno(), data=b"ping") == 0
+        assert time.monotonic() - started >= 0.15 and theirs.recv(16) == b"ping"  # written, then waited
+        theirs.sendall(b"pong")
+        assert lib.wait_readable([ours.fileno()], team=team, timeout=5) == 1 and ours.recv(16) == b"pong"
+        theirs.close()
+        assert lib.wait_readable([ours.fileno()], team=team, timeout=5, send_fd=ours.fileno(), data=b"x") == -2
+    finally:
         ours.close()
