@@ -91,7 +91,7 @@ class Node(NodeView):
                                          cookie_jar=aiohttp.DummyCookieJar()) as http:
             transport = HopTransport(headers=headers, ssl_context=self.tls.client)
             channels = StepChannels(headers=headers, enabled=step_channels_enabled())
-            channels.team = lambda: self.service.executor.park_when_idle()  # asleep while the next nodes compute
+            channels.wait = self.service.executor.wait_answer  # asleep while the next nodes compute
             self.http = self.planner.http = http
             self.head.connect(transport, http, channels)
             poll = asyncio.create_task(self._poll_peers(http))

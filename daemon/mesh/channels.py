@@ -28,7 +28,6 @@ from daemon import channel, wire
 from daemon.api import Hop
 from daemon.errors import HopFailed
 from daemon.mesh.transport import HopResponse
-from daemon.model import native
 from daemon.wire import header_lines
 
 log = logging.getLogger(__name__)
@@ -36,6 +35,20 @@ log = logging.getLogger(__name__)
 ENV = "MESHNET_STEP_CHANNELS"  # "off": every step goes on POST /forward (to measure what channels do)
 OPEN_SECONDS = 5.0  # to connect and upgrade
 RETRY_SECONDS = 60.0  # a node that would not open a channel is asked again after this
+
+
+# writes a step on a socket and sleeps until its answer arrives: True, or False after the timeout (seconds)
+Wait = Callable[[socket.socket, bytes, float], bool]
+
+
+def wait_alone(sock: socket.socket, data: bytes, timeout: float) -> bool:
+    """A :data:`Wait` with no torch thread of a node behind it (the thread's own, ``TorchThread.wait_answer``,
+    also serves its channels meanwhile and puts its team to sleep)."""
+    sock.settimeout(timeout)
+    sock.sendall(data)
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(max(1, int(timeout * 1000))))
 
 
 class StepChannel:
@@ -47,23 +60,16 @@ class StepChannel:
         self.busy = False  # a walk holds it
         self.closed = False
 
-    def exchange(self, headers: Mapping[str, str], body, *, timeout: float, team: bool) -> HopResponse:
-        """Send one step and read its answer within ``timeout`` seconds, asleep meanwhile (with the OpenMP team
-        where ``team``: put to sleep before the step is written, so the node it wakes finds the cores free).
-        :class:`channel.ChannelClosed` when the node hangs up, ``TimeoutError`` when it is late."""
+    def exchange(self, headers: Mapping[str, str], body, *, timeout: float, wait: Wait) -> HopResponse:
+        """Send one step and read its answer within ``timeout`` seconds, asleep meanwhile (``wait``: the torch
+        thread's, which puts its OpenMP team to sleep before the step is written, so the node it wakes finds the
+        cores free). :class:`channel.ChannelClosed` when the node hangs up, ``TimeoutError`` when it is late."""
         frame = b"".join(channel.request_frame(headers, body))
-        lib = native.library()
-        if lib is None:
-            channel.send(self.sock, [frame], timeout=timeout)
-            poller = select.poll()
-            poller.register(self.sock.fileno(), select.POLLIN)
-            ready = len(poller.poll(max(1, int(timeout * 1000))))
-        else:
-            ready = lib.wait_readable([self.sock.fileno()], team=team, timeout=timeout, send_fd=self.sock.fileno(),
-                                      data=frame)
-            if ready == -2:
-                raise channel.ChannelClosed("the node stopped taking steps")
-        if not ready:
+        try:
+            answered = wait(self.sock, frame, timeout)
+        except OSError as exc:
+            raise channel.ChannelClosed(f"the node stopped taking steps ({exc})") from None
+        if not answered:
             raise TimeoutError
         status, reply_headers, reply_body, received = channel.read_reply(self.sock)
         return HopResponse(status, reply_headers, bytes(reply_body), len(frame), received)
@@ -79,14 +85,14 @@ def step_channels_enabled() -> bool:
 
 class StepChannels:
     """The head's open channels, one per node URL. ``headers`` go on each upgrade (the mesh token);
-    ``allowed()`` says whether walks may use them now (the head runs one generation), ``team()`` whether the
-    torch thread's OpenMP team sleeps while it waits for an answer (another daemon shares the cores)."""
+    ``allowed()`` says whether walks may use them now (the head runs one generation); ``wait`` is how the torch
+    thread sends a step and sleeps until its answer (:meth:`daemon.model.worker.TorchThread.wait_answer`)."""
 
     def __init__(self, *, headers: Mapping[str, str] | None = None, enabled: bool = True) -> None:
         self._headers = header_lines(headers or {})
         self.enabled = enabled
         self.allowed: Callable[[], bool] = lambda: True
-        self.team: Callable[[], bool] = lambda: False
+        self.wait: Wait = wait_alone
         self._open: dict[str, StepChannel] = {}
         self._opening: dict[str, asyncio.Task] = {}
         self._refused: dict[str, float] = {}  # url -> when a node last would not open one
@@ -188,7 +194,7 @@ class Walked:
     stopped: tuple[int, wire.Activation, Exception] | None = None
 
 
-def walk(activation: wire.Activation, legs: list[Leg], convert, *, timeout: float, team: Callable[[], bool]) -> Walked:
+def walk(activation: wire.Activation, legs: list[Leg], convert, *, timeout: float, wait: Wait) -> Walked:
     """On the head's torch thread: the rest of a step's route from ``activation`` (the head's own layers' output)
     over the legs' channels. ``convert(hop, response, activation)`` makes a reply of an answer or raises what the
     loop raises for it (a cache miss, a failed hop)."""
@@ -198,7 +204,7 @@ def walk(activation: wire.Activation, legs: list[Leg], convert, *, timeout: floa
         body = activation.data if leg.history is None else bytes(activation.data) + leg.history.to_bytes()
         try:
             try:
-                response = leg.chan.exchange(leg.headers(activation), body, timeout=timeout, team=team())
+                response = leg.chan.exchange(leg.headers(activation), body, timeout=timeout, wait=wait)
             except TimeoutError:
                 leg.chan.close()
                 raise HopFailed(leg.hop.url, f"{leg.hop.url} is unreachable: timed out after {timeout:.0f} s",

@@ -113,7 +113,7 @@ async def run_step(
             if legs is not None:
                 def walk(done, legs=legs) -> channels.Walked:  # on the torch thread, after the head's layers
                     return channels.walk(done.out, legs, client.reply_from, timeout=client.timeout,
-                                         team=client.channels.team)
+                                         wait=client.channels.wait)
             try:
                 reply = await backend.local_step(
                     reply.activation, mode=mode, session_id=session_id, past_len=past_len,

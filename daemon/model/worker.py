@@ -90,6 +90,34 @@ class TorchThread(Executor):
         self._wake()
         return True
 
+    def wait_answer(self, sock: socket.socket, data: bytes, timeout: float) -> bool:
+        """On this thread, in the work it runs (a walk along step channels): write ``data`` on ``sock`` with the
+        team asleep (where it parks), and sleep until the answer's bytes arrive; False when ``timeout`` seconds
+        pass first, ``ConnectionError`` when the write fails. Steps that arrive on this thread's own channels
+        meanwhile are served: two heads walking through each other's layers must not wait on each other."""
+        deadline = time.monotonic() + timeout
+        lib = native.library()
+        fd = sock.fileno()
+        while True:
+            self._take_handed()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            fds = [fd, *self._channels]
+            if lib is None:
+                if data:
+                    sock.sendall(data)
+                _poll_fds(fds, left)
+            elif lib.wait_readable(fds, team=self._parking and self.park_when_idle(), timeout=left,
+                                   send_fd=fd if data else -1, data=data) == -2:
+                raise ConnectionError("the node stopped taking steps")
+            data = b""
+            ready = _poll_fds(fds, 0)
+            if fd in ready:
+                return True
+            self._serve_ready(ready)
+            self._send_answer()
+
     def linger(self, seconds: float) -> None:
         """On this thread, from the work it runs: the next submission is on its way (the head's generation loop
         sends its next step as soon as it has this one's token). For up to ``seconds`` the thread then waits
@@ -147,7 +175,7 @@ class TorchThread(Executor):
                     self._send_answer()  # an answer waits for nothing else
                     self._run(item)
                     ran = True
-                if self._channels and self._serve_ready(self._poll(0)):
+                if self._channels and self._serve_ready(_poll_fds(self._channels, 0)):
                     continue
                 if not ran:
                     self._sleep()
@@ -177,17 +205,11 @@ class TorchThread(Executor):
             for sock, handler in handed:
                 self._channels[sock.fileno()] = sock, handler
 
-    def _poll(self, timeout_ms: int) -> list[int]:
-        """The channels whose bytes (or hang-up) have arrived, waiting up to ``timeout_ms``."""
-        poller = select.poll()
-        for fd in self._channels:
-            poller.register(fd, select.POLLIN)
-        return [fd for fd, _ in poller.poll(timeout_ms)]
 
     def _serve_ready(self, ready: list[int]) -> bool:
         for fd in ready:
             self._send_answer()
-            if fd not in self._channels:  # closed as the last answer failed to go out
+            if fd not in self._channels:  # closed as the last answer failed to go out (or not a channel)
                 continue
             sock, handler = self._channels[fd]
             try:
@@ -224,10 +246,7 @@ class TorchThread(Executor):
         lib = native.library()
         if lib is None:
             self._send_answer()
-            poller = select.poll()
-            for fd in [self._wake_fd, *self._channels]:
-                poller.register(fd, select.POLLIN)
-            poller.poll()
+            _poll_fds([self._wake_fd, *self._channels], None)
             return
         (send_fd, data), self._answer = self._answer or (-1, b""), None
         fds = [self._wake_fd, *self._channels]
@@ -238,6 +257,14 @@ class TorchThread(Executor):
         self.parks += team
         if lib.wait_readable(fds, team=team, send_fd=send_fd, data=data) == -2:
             self._close(send_fd)
+
+
+def _poll_fds(fds, timeout: float | None) -> list[int]:
+    """Which of ``fds`` are readable (or hung up), waiting up to ``timeout`` seconds (None: until one is)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(None if timeout is None else max(0, int(timeout * 1000)))]
 
 
 def _peer(sock: socket.socket) -> str:

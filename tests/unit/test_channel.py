@@ -252,3 +252,46 @@ def test_the_native_wait_writes_first_then_sleeps_until_readable_and_says_when_t
         assert lib.wait_readable([ours.fileno()], team=team, timeout=5, send_fd=ours.fileno(), data=b"x") == -2
     finally:
         ours.close()
+
+
+def test_two_threads_waiting_on_each_others_channels_serve_each_other_meanwhile():
+    """Two heads whose walks go through each other's layers at once: each thread, waiting for its answer, serves
+    the step the other sent it (waiting alone, each would wait out its timeout on the other)."""
+    first, second = TorchThread("first"), TorchThread("second")
+    first_out, second_in = socket.socketpair()  # first's walk -> a channel second serves
+    second_out, first_in = socket.socketpair()
+    served: list[str] = []
+    try:
+        second.serve(second_in, echo_steps(served))
+        first.serve(first_in, echo_steps(served))
+        started = threading.Barrier(2)
+
+        def walk(thread, sock, body):
+            started.wait(5)  # both threads are in their walks before either step is written
+            frame = b"".join(channel.request_frame({}, body))
+            if not thread.wait_answer(sock, frame, 3.0):
+                return None
+            return bytes(channel.read_reply(sock)[2])
+
+        walks = [first.submit(walk, first, first_out, b"from first"),
+                 second.submit(walk, second, second_out, b"from second")]
+        assert [w.result(timeout=10) for w in walks] == [b"from first", b"from second"]
+        assert sorted(served) == ["first", "second"]
+    finally:
+        first.shutdown()
+        second.shutdown()
+        first_out.close()
+        second_out.close()
+
+
+def test_a_wait_for_an_answer_that_never_comes_times_out():
+    thread = TorchThread()
+    ours, theirs = socket.socketpair()
+    try:
+        started = time.monotonic()
+        assert thread.submit(thread.wait_answer, ours, b"step", 0.3).result(timeout=5) is False
+        assert 0.25 < time.monotonic() - started < 3 and theirs.recv(16) == b"step"
+    finally:
+        thread.shutdown()
+        ours.close()
+        theirs.close()
