@@ -96,7 +96,6 @@ class StepChannels:
         self._open: dict[str, StepChannel] = {}
         self._opening: dict[str, asyncio.Task] = {}
         self._refused: dict[str, float] = {}  # url -> when a node last would not open one
-        self.opened = 0  # channels opened, for the status and the tests
 
     def for_hops(self, hops: list[Hop]) -> list[StepChannel] | None:
         """A channel to each node of ``hops`` (in order, each free), taken for a walk; else None, and the
@@ -169,7 +168,6 @@ class StepChannels:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         chan = self._open[url] = StepChannel(url, sock)
-        self.opened += 1
         return chan
 
 
@@ -192,6 +190,7 @@ class Walked:
 
     answered: list[tuple[int, wire.Activation, float, object]] = field(default_factory=list)
     stopped: tuple[int, wire.Activation, Exception] | None = None
+    started: float = field(default_factory=time.perf_counter)  # when the head's own layers were done
 
 
 def walk(activation: wire.Activation, legs: list[Leg], convert, *, timeout: float, wait: Wait) -> Walked:

@@ -124,8 +124,9 @@ async def run_step(
             finally:
                 if legs is not None:
                     client.channels.give_back([leg.chan for leg in legs])
-            if on_hop is not None:
-                on_hop(hop, (time.perf_counter() - started) * 1000.0, reply)
+            if on_hop is not None:  # the head's own hop ends where its walk began, if it walked
+                ended = reply.then.started if reply.then is not None else time.perf_counter()
+                on_hop(hop, (ended - started) * 1000.0, reply)
             if reply.then is not None:  # the torch thread went on along the route over step channels
                 index, reply = _walked(reply.then, route, on_hop, inputs)
                 continue

@@ -12,6 +12,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 import types
 
 import pytest
@@ -58,8 +59,9 @@ class Transport:
                            b'{"token_id": 99, "text": "x"}', len(body), 30)
 
 
-def tail_thread(sock: socket.socket, answers: list) -> list[dict]:
-    """Answer request frames from ``answers`` in turn: ``(status, json)``, or ``"close"`` to hang up unread."""
+def tail_thread(sock: socket.socket, answers: list, delay: float = 0.0) -> list[dict]:
+    """Answer request frames from ``answers`` in turn, ``delay`` seconds after each arrives: ``(status, json)``, or
+    ``"close"`` to hang up unread."""
     seen: list[dict] = []
 
     def serve():
@@ -71,6 +73,7 @@ def tail_thread(sock: socket.socket, answers: list) -> list[dict]:
             if answer == "close":
                 break
             status, body = answer
+            time.sleep(delay)
             channel.send(sock, channel.reply_frame(status, {"Content-Type": "application/json"},
                                                    json.dumps(body).encode()))
         sock.close()
@@ -178,3 +181,17 @@ def test_while_the_head_runs_several_generations_steps_take_post_forward(mesh):
     client.channels.allowed = lambda: False
     asyncio.run(step(head, client, 3))
     assert len(transport.posts) == 1
+
+
+def test_each_hop_of_a_walked_step_is_timed_apart(mesh):
+    head, client, transport, tail = mesh
+    seen = tail_thread(tail, [(200, {"token_id": 1, "text": "a"})], delay=0.2)
+    timed: list[tuple[str, float]] = []
+
+    async def main():
+        await run_step(head, client, ROUTE, [5], mode="decode", session_id="s", past_len=3,
+                       sampling=Sampling(temperature=0.0), on_hop=lambda hop, ms, reply: timed.append((hop.url, ms)))
+
+    asyncio.run(main())
+    assert [url for url, _ in timed] == [ROUTE[0].url, TAIL] and len(seen) == 1
+    assert timed[0][1] < 100 <= 200 <= timed[1][1]  # the head's own hop ends where the walk to the tail began
