@@ -11,9 +11,21 @@ import time
 import pytest
 
 from daemon import channel
+from daemon.model import native
 from daemon.model.worker import TorchThread
 from daemon.wire import header_lines
 from tests.support.watch import wait_for
+
+needs_library = pytest.mark.skipif(native.library() is None, reason="no C compiler here: nothing parks")
+
+
+@pytest.fixture
+def parking():
+    """A torch thread that parks its team whenever it is idle, as where another daemon shares the cores."""
+    thread = TorchThread()
+    thread.park_when_idle = lambda: True
+    yield thread
+    thread.shutdown()
 
 
 @pytest.fixture
@@ -179,44 +191,30 @@ def test_shutting_the_thread_down_closes_its_channels_and_refuses_new_ones():
     late_ours.close()
 
 
-def test_an_idle_thread_with_a_channel_parks_and_the_channel_wakes_it():
-    from daemon.model import native
-
-    if native.library() is None:
-        pytest.skip("no C compiler here: nothing parks")
-    thread = TorchThread()
-    thread.park_when_idle = lambda: True
+@needs_library
+def test_an_idle_thread_with_a_channel_parks_and_the_channel_wakes_it(parking):
     ours, theirs = socket.socketpair()
     try:
-        thread.serve(theirs, echo_steps([]))
+        parking.serve(theirs, echo_steps([]))
         for i in range(10):
-            wait_for(lambda i=i: thread.parks > i, timeout=5, interval=0.005)  # asleep on the channel and the queue
+            wait_for(lambda i=i: parking.parks > i, timeout=5, interval=0.005)  # asleep on the channel and the queue
             assert exchange(ours, b"%d" % i) == b"%d" % i
     finally:
-        thread.shutdown()
         ours.close()
 
 
-def test_a_thread_told_its_next_step_is_coming_waits_for_it_without_parking_the_team():
-    from daemon.model import native
-
-    if native.library() is None:
-        pytest.skip("no C compiler here: nothing parks")
-    thread = TorchThread()
-    thread.park_when_idle = lambda: True
-    try:
-        thread.submit(lambda: None).result(timeout=5)
-        wait_for(lambda: thread.parks >= 1, timeout=5, interval=0.005)
-        for _ in range(5):
-            parks = thread.parks
-            thread.submit(thread.linger, 1.0).result(timeout=5)  # as a walk's job does
-            time.sleep(0.05)
-            assert thread.parks == parks  # waiting alone, the team not parked
-            thread.submit(lambda: None).result(timeout=5)
-        thread.submit(thread.linger, 0.05).result(timeout=5)
-        wait_for(lambda: thread.parks > parks, timeout=5, interval=0.005)  # after the linger, it parks
-    finally:
-        thread.shutdown()
+@needs_library
+def test_a_thread_told_its_next_step_is_coming_waits_for_it_without_parking_the_team(parking):
+    parking.submit(lambda: None).result(timeout=5)
+    wait_for(lambda: parking.parks >= 1, timeout=5, interval=0.005)
+    for _ in range(5):
+        parks = parking.parks
+        parking.submit(parking.linger, 1.0).result(timeout=5)  # as a walk's job does
+        time.sleep(0.05)
+        assert parking.parks == parks  # waiting alone, the team not parked
+        parking.submit(lambda: None).result(timeout=5)
+    parking.submit(parking.linger, 0.05).result(timeout=5)
+    wait_for(lambda: parking.parks > parks, timeout=5, interval=0.005)  # after the linger, it parks
 
 
 def test_an_answer_the_peer_cannot_take_closes_its_channel():
@@ -234,13 +232,10 @@ def test_an_answer_the_peer_cannot_take_closes_its_channel():
         thread.shutdown()
 
 
+@needs_library
 @pytest.mark.parametrize("team", [False, True])
 def test_the_native_wait_writes_first_then_sleeps_until_readable_and_says_when_the_write_fails(team):
-    from daemon.model import native
-
     lib = native.library()
-    if lib is None:
-        pytest.skip("no C compiler here")
     ours, theirs = socket.socketpair()
     try:
         started = time.monotonic()
