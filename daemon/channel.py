@@ -56,27 +56,16 @@ def parse_headers(block: bytes) -> CIMultiDictProxy[str]:
     return CIMultiDictProxy(headers)
 
 
-def request_frame(headers: Mapping[str, str], body: bytes | bytearray | memoryview) -> list:
+def request_frame(headers: Mapping[str, str], body: bytes | bytearray | memoryview) -> bytes:
+    """A request frame, whole: written in one call, by the thread that then sleeps on the answer."""
     block = header_lines(headers)
-    return [REQUEST.pack(len(block), len(body)), block, body]
+    return b"".join((REQUEST.pack(len(block), len(body)), block, body))
 
 
-def reply_frame(status: int, headers: Mapping[str, str], body: bytes | bytearray | memoryview) -> list:
+def reply_frame(status: int, headers: Mapping[str, str], body: bytes | bytearray | memoryview) -> bytes:
+    """A reply frame, whole: written by the node's torch thread as its team goes to sleep."""
     block = header_lines(headers)
-    return [REPLY.pack(status, len(block), len(body)), block, body]
-
-
-def send(sock: socket.socket, parts: list, *, timeout: float = FRAME_SECONDS) -> int:
-    """Write a frame's parts; its size in bytes. :class:`ChannelClosed` when the peer is gone or stops reading."""
-    sock.settimeout(timeout)
-    try:
-        sent = sock.sendmsg(parts)
-        total = sum(len(p) for p in parts)
-        if sent < total:  # rare: a full send buffer takes the rest as one write
-            sock.sendall(b"".join(bytes(p) for p in parts)[sent:])
-    except (OSError, TimeoutError) as exc:
-        raise ChannelClosed(f"the peer stopped taking steps ({exc})") from None
-    return total
+    return b"".join((REPLY.pack(status, len(block), len(body)), block, body))
 
 
 def read_request(sock: socket.socket) -> tuple[CIMultiDictProxy[str], bytearray] | None:

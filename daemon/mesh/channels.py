@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import select
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -28,6 +27,7 @@ from daemon import channel, wire
 from daemon.api import Hop
 from daemon.errors import HopFailed
 from daemon.mesh.transport import HopResponse
+from daemon.model.worker import poll_readable
 from daemon.wire import header_lines
 
 log = logging.getLogger(__name__)
@@ -46,9 +46,7 @@ def wait_alone(sock: socket.socket, data: bytes, timeout: float) -> bool:
     also serves its channels meanwhile and puts its team to sleep)."""
     sock.settimeout(timeout)
     sock.sendall(data)
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    return bool(poller.poll(max(1, int(timeout * 1000))))
+    return bool(poll_readable([sock.fileno()], timeout))
 
 
 class StepChannel:
@@ -64,7 +62,7 @@ class StepChannel:
         """Send one step and read its answer within ``timeout`` seconds, asleep meanwhile (``wait``: the torch
         thread's, which puts its OpenMP team to sleep before the step is written, so the node it wakes finds the
         cores free). :class:`channel.ChannelClosed` when the node hangs up, ``TimeoutError`` when it is late."""
-        frame = b"".join(channel.request_frame(headers, body))
+        frame = channel.request_frame(headers, body)
         try:
             answered = wait(self.sock, frame, timeout)
         except OSError as exc:

@@ -107,12 +107,12 @@ class TorchThread(Executor):
             if lib is None:
                 if data:
                     sock.sendall(data)
-                _poll_fds(fds, left)
+                poll_readable(fds, left)
             elif lib.wait_readable(fds, team=self._parking and self.park_when_idle(), timeout=left,
                                    send_fd=fd if data else -1, data=data) == -2:
                 raise ConnectionError("the node stopped taking steps")
             data = b""
-            ready = _poll_fds(fds, 0)
+            ready = poll_readable(fds, 0)
             if fd in ready:
                 return True
             self._serve_ready(ready)
@@ -175,7 +175,7 @@ class TorchThread(Executor):
                     self._send_answer()  # an answer waits for nothing else
                     self._run(item)
                     ran = True
-                if self._channels and self._serve_ready(_poll_fds(self._channels, 0)):
+                if self._channels and self._serve_ready(poll_readable(self._channels, 0)):
                     continue
                 if not ran:
                     self._sleep()
@@ -246,7 +246,7 @@ class TorchThread(Executor):
         lib = native.library()
         if lib is None:
             self._send_answer()
-            _poll_fds([self._wake_fd, *self._channels], None)
+            poll_readable([self._wake_fd, *self._channels], None)
             return
         (send_fd, data), self._answer = self._answer or (-1, b""), None
         fds = [self._wake_fd, *self._channels]
@@ -259,7 +259,7 @@ class TorchThread(Executor):
             self._close(send_fd)
 
 
-def _poll_fds(fds, timeout: float | None) -> list[int]:
+def poll_readable(fds, timeout: float | None) -> list[int]:
     """Which of ``fds`` are readable (or hung up), waiting up to ``timeout`` seconds (None: until one is)."""
     poller = select.poll()
     for fd in fds:

@@ -88,7 +88,7 @@ class ChannelSteps:
             status, reply_headers, reply_body = self._answer(headers, body)
         finally:
             request_id.reset(token)
-        return b"".join(channel.reply_frame(status, reply_headers, reply_body))
+        return channel.reply_frame(status, reply_headers, reply_body)
 
     def _answer(self, headers, body: bytearray) -> tuple[int, dict[str, str], bytes]:
         service = self._service

@@ -79,7 +79,7 @@ def raw_channel(node: Daemon, *, key: str | None = KEY) -> tuple[socket.socket, 
 
 
 def step(sock: socket.socket, headers: dict, body: bytes) -> tuple[int, dict]:
-    channel.send(sock, channel.request_frame(headers, body))
+    sock.sendall(channel.request_frame(headers, body))
     status, reply_headers, reply_body, _ = channel.read_reply(sock)
     is_json = reply_headers.get("Content-Type", "").startswith("application/json")
     return status, json.loads(reply_body) if is_json else {"bytes": len(reply_body)}

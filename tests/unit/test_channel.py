@@ -39,7 +39,9 @@ def pair():
 def test_a_request_frame_arrives_whole_with_its_headers_read_case_blind(pair):
     a, b = pair
     body = bytes(range(256)) * 40
-    sent = channel.send(a, channel.request_frame({"X-Meshnet-Session": "s1", "Content-Type": "x/y"}, body))
+    frame = channel.request_frame({"X-Meshnet-Session": "s1", "Content-Type": "x/y"}, body)
+    a.sendall(frame)
+    sent = len(frame)
     headers, got = channel.read_request(b)
     assert got == body and sent == channel.REQUEST.size + len(header_lines(
         {"X-Meshnet-Session": "s1", "Content-Type": "x/y"})) + len(body)
@@ -48,7 +50,9 @@ def test_a_request_frame_arrives_whole_with_its_headers_read_case_blind(pair):
 
 def test_a_reply_frame_carries_its_status_and_its_size(pair):
     a, b = pair
-    sent = channel.send(b, channel.reply_frame(409, {"Content-Type": "application/json"}, b'{"error": "cache_miss"}'))
+    frame = channel.reply_frame(409, {"Content-Type": "application/json"}, b'{"error": "cache_miss"}')
+    b.sendall(frame)
+    sent = len(frame)
     status, headers, body, size = channel.read_reply(a)
     assert (status, headers["content-type"], bytes(body), size) == (409, "application/json",
                                                                      b'{"error": "cache_miss"}', sent)
@@ -115,13 +119,13 @@ def echo_steps(served: list[str]):
         served.append(threading.current_thread().name)
         if headers.get("X-Stop"):
             return None
-        return b"".join(channel.reply_frame(200, {}, body))
+        return (channel.reply_frame(200, {}, body))
 
     return handle
 
 
 def exchange(sock: socket.socket, body: bytes, headers: dict | None = None) -> bytes:
-    channel.send(sock, channel.request_frame(headers or {}, body))
+    sock.sendall(channel.request_frame(headers or {}, body))
     return bytes(channel.read_reply(sock)[2])
 
 
@@ -149,7 +153,7 @@ def test_a_channel_its_handler_ends_or_its_peer_leaves_is_closed_and_the_thread_
         thread.serve(first[1], echo_steps(served))
         thread.serve(second[1], echo_steps(served))
         assert exchange(first[0], b"a") == b"a" and exchange(second[0], b"b") == b"b"
-        channel.send(first[0], channel.request_frame({"X-Stop": "1"}, b""))
+        first[0].sendall(channel.request_frame({"X-Stop": "1"}, b""))
         assert first[0].recv(1) == b""  # the handler said no more: the thread closed its end
         second[0].close()  # the peer hung up
         wait_for(lambda: thread.channels == 0, timeout=5, interval=0.01)
@@ -223,7 +227,7 @@ def test_an_answer_the_peer_cannot_take_closes_its_channel():
     ours, theirs = socket.socketpair()
     try:
         thread.serve(theirs, echo_steps(served))
-        channel.send(ours, channel.request_frame({}, b"x" * 100))
+        ours.sendall(channel.request_frame({}, b"x" * 100))
         ours.shutdown(socket.SHUT_RD)  # the answer cannot be delivered: writing it fails
         ours.close()
         wait_for(lambda: thread.channels == 0, timeout=5, interval=0.01)
@@ -263,7 +267,7 @@ def test_two_threads_waiting_on_each_others_channels_serve_each_other_meanwhile(
 
         def walk(thread, sock, body):
             started.wait(5)  # both threads are in their walks before either step is written
-            frame = b"".join(channel.request_frame({}, body))
+            frame = (channel.request_frame({}, body))
             if not thread.wait_answer(sock, frame, 3.0):
                 return None
             return bytes(channel.read_reply(sock)[2])

@@ -74,8 +74,7 @@ def tail_thread(sock: socket.socket, answers: list, delay: float = 0.0) -> list[
                 break
             status, body = answer
             time.sleep(delay)
-            channel.send(sock, channel.reply_frame(status, {"Content-Type": "application/json"},
-                                                   json.dumps(body).encode()))
+            sock.sendall(channel.reply_frame(status, {"Content-Type": "application/json"}, json.dumps(body).encode()))
         sock.close()
 
     threading.Thread(target=serve, daemon=True).start()
