@@ -95,6 +95,9 @@ class Library:
         self.q8_floats = lib.meshnet_q8_floats
         self.q8_floats.argtypes = [_L]
         self.q8_floats.restype = _L
+        self.argmax = lib.meshnet_argmax
+        self.argmax.argtypes = [_P, _L]
+        self.argmax.restype = _L
         self.send_and_wait = lib.meshnet_send_and_wait  # ctypes lets go of the GIL while the team sleeps
         self.send_and_wait.argtypes = [_I, ctypes.c_char_p, _L, ctypes.POINTER(_I), _I, _I, _I]
         self.send_and_wait.restype = _I
@@ -236,6 +239,17 @@ def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     lib.attend_bf16(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), heads, kv_heads, positions, dim,
                     k.stride(1), k.stride(2), scale, scratch(heads * positions))
     return out
+
+
+def argmax(logits: torch.Tensor) -> int | None:
+    """The index of the first largest of ``logits [vocab]`` (float32, on the CPU), as ``torch.argmax`` picks it, or
+    -1 where any logit is NaN or infinite (``meshnet_argmax``); None where the row is not laid out for it or the
+    library is not built."""
+    lib = library()
+    if lib is None or logits.dtype != torch.float32 or logits.dim() != 1 or logits.device.type != "cpu" \
+            or logits.stride(0) != 1:
+        return None
+    return lib.argmax(logits.data_ptr(), logits.shape[0])
 
 
 def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None

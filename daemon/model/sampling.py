@@ -15,9 +15,11 @@ from transformers.generation.logits_process import MinPLogitsWarper, RepetitionP
 
 from daemon.api import Sampling
 from daemon.errors import BadRequest
+from daemon.model import native
 from daemon.wire import History
 
 _MASK64 = (1 << 63) - 1
+NON_FINITE = "the activations give non-finite logits (NaN or infinity): not a valid hidden state"
 
 
 def position_generator(seed: int, position: int) -> torch.Generator:
@@ -79,11 +81,16 @@ def sample_token(logits: torch.Tensor, params: Sampling, position: int, history:
 
     Non-finite logits come from non-finite activations a caller sent: a 400, not a crash in the sampler.
     """
+    if params.greedy and not params.penalized:  # the check and the pick in one native pass over the row, if built
+        picked = native.argmax(logits)
+        if picked is not None:
+            if picked < 0:
+                raise BadRequest(NON_FINITE, param="body")
+            return picked
     # one reduction, not an elementwise pass: a NaN or infinity anywhere makes the sum non-finite
     # (the logits of any real hidden state are many orders of magnitude from overflowing it)
     if not math.isfinite(float(logits.sum())):
-        raise BadRequest("the activations give non-finite logits (NaN or infinity): not a valid hidden state",
-                         param="body")
+        raise BadRequest(NON_FINITE, param="body")
     logits = penalized(logits, params, history)
     if params.greedy:
         return int(torch.argmax(logits).item())

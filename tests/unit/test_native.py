@@ -180,3 +180,39 @@ def test_one_query_attends_as_float32_sdpa(heads, kv_heads, dim, positions):
     assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
     assert native.attend_bf16(q.float(), k.float(), v.float(), 0.3) is None  # float32: SDPA's own
     assert native.attend_bf16(q, k, v.contiguous(), 0.3) is None  # keys and values laid out alike, or not here
+
+
+def assert_argmax_as_torch() -> None:
+    """``meshnet_argmax`` picks as ``torch.argmax`` (the first of equal largest values), over rows whose length is
+    and is not a multiple of the vector width, and answers -1 for a NaN or an infinity wherever it lies."""
+    generator = torch.Generator().manual_seed(11)
+    for n in (1, 15, 16, 17, 1000, 49152, 49155):
+        logits = torch.randn(n, generator=generator)
+        assert native.argmax(logits) == int(torch.argmax(logits))
+        for first, second in {(n - 1, n - 1), (0, n - 1), (n // 3, n // 2), (max(n - 2, 0), n - 1)}:
+            tied = logits.clone()
+            tied[first] = tied[second] = 9.0
+            assert native.argmax(tied) == min(first, second) == int(torch.argmax(tied))
+        for at in {0, n // 2, n - 1}:
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                spoilt = logits.clone()
+                spoilt[at] = bad
+                assert native.argmax(spoilt) == -1, (n, at, bad)
+    signed = torch.tensor([-1.0, -0.0, 0.0, -2.0])  # -0.0 == 0.0: the first of them, as torch picks
+    assert native.argmax(signed) == int(torch.argmax(signed)) == 1
+
+
+@needs_library
+def test_a_greedy_pick_is_torchs_argmax_and_rejects_non_finite_logits():
+    assert_argmax_as_torch()
+    row = torch.randn(2, 64)
+    assert native.argmax(row) is None  # one row
+    assert native.argmax(row[:, 0]) is None  # not contiguous
+    assert native.argmax(row[0].to(torch.bfloat16)) is None  # float32 only
+
+
+@needs_library
+def test_a_greedy_pick_without_avx512_is_the_same_pick(rebuilt, monkeypatch):
+    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-mno-avx512f"))
+    assert native.library() is not None
+    assert_argmax_as_torch()
