@@ -101,15 +101,16 @@ def test_int8_weights_multiply_int8_inputs_as_defined(dtype):
 
 
 @needs_library
-def test_quantized_products_without_avx512_vnni_are_the_same_products(rebuilt, monkeypatch):
-    """Machines without AVX-512 VNNI (or AVX-512) build the plain C sums of the same quantized products: int8 and
-    4-bit weights by int8 inputs."""
+def test_without_avx512_the_plain_c_computes_the_same(rebuilt, monkeypatch):
+    """Machines without AVX-512 VNNI (or AVX-512) build the plain C sums of the same quantized products (int8 and
+    4-bit weights by int8 inputs), and the same greedy pick."""
     from tests.unit.test_int4 import assert_products_as_defined
 
     monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-mno-avx512f"))
     assert native.library() is not None
     assert_int8_products_as_defined(torch.float32)
     assert_products_as_defined(torch.float32)
+    assert_argmax_as_torch()
 
 
 @needs_library
@@ -209,10 +210,3 @@ def test_a_greedy_pick_is_torchs_argmax_and_rejects_non_finite_logits():
     assert native.argmax(row) is None  # one row
     assert native.argmax(row[:, 0]) is None  # not contiguous
     assert native.argmax(row[0].to(torch.bfloat16)) is None  # float32 only
-
-
-@needs_library
-def test_a_greedy_pick_without_avx512_is_the_same_pick(rebuilt, monkeypatch):
-    monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-mno-avx512f"))
-    assert native.library() is not None
-    assert_argmax_as_torch()
