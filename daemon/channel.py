@@ -97,6 +97,17 @@ def _read(sock: socket.socket, size: int, *, first: bool = False) -> bytearray |
     """Exactly ``size`` bytes within :data:`FRAME_SECONDS`; None for a clean close before a frame's first byte."""
     buffer = bytearray(size)
     view, got = memoryview(buffer), 0
+    try:  # most often the bytes are there: no timeout to set (a system call), no clock to read
+        got = sock.recv_into(view, size, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        pass
+    except OSError as exc:
+        raise ChannelClosed(f"the peer broke the channel ({exc})") from None
+    else:
+        if got == 0 and size:
+            if first:
+                return None
+            raise ChannelClosed(f"the peer hung up inside a frame (0 of {size} bytes)")
     deadline = time.monotonic() + FRAME_SECONDS
     while got < size:
         left = deadline - time.monotonic()

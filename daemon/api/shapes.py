@@ -11,6 +11,7 @@ a node one version older or newer than itself.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -79,14 +80,20 @@ class Sampling:
         return asdict(self)
 
     def to_wire(self) -> dict[str, Any]:
-        """The tail's ``X-Meshnet-Sampling``: the first four always, the later ones only when set."""
-        later = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                 "logprobs": None}
-        return {k: v for k, v in asdict(self).items() if k not in later or v != later[k]}
+        """The tail's ``X-Meshnet-Sampling``: the first four always, the later ones only when set (a copy of what
+        was worked out once per sampling: a head sends it with every step)."""
+        return dict(_sampling_wire(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Sampling:
         return _known(cls, data)
+
+
+@functools.lru_cache(maxsize=64)
+def _sampling_wire(sampling: Sampling) -> dict[str, Any]:
+    later = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+             "logprobs": None}
+    return {k: v for k, v in asdict(sampling).items() if k not in later or v != later[k]}
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ class ChatTokenizer:
             ids.update(c if isinstance(c, list) else [c] if c is not None else [])
         self.eos_token_ids: set[int] = ids
         self.eos_texts: set[str] = {tokenizer.decode([i]) for i in ids}  # for an older tail that answers text only
+        self._texts: dict[int, str] = {}  # token_text's, by id
 
     @classmethod
     def load(cls, folder: Path, config) -> ChatTokenizer:
@@ -55,8 +56,12 @@ class ChatTokenizer:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def token_text(self, token_id: int) -> str:
-        """One token as the tail reports it (special tokens included)."""
-        return self._tokenizer.decode([token_id])
+        """One token as the tail reports it (special tokens included): decoded once per id, then looked up (every
+        tail names every token it picks, and a decode took 0.1 ms of a 4-bit tail's step)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+        return text
 
     def default_sampling(self) -> dict:
         """Sampling when a request names none: the model's generation config, else greedy."""
