@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from daemon.errors import ModelUnavailable
+from daemon.errors import BadRequest, ModelUnavailable
 
 
 class ChatTokenizer:
@@ -42,6 +42,9 @@ class ChatTokenizer:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The chat template applied to ``messages``, ending where the assistant's answer begins."""
+        if not self._tokenizer.chat_template:  # a base model's folder: a clear 400, not transformers' ValueError
+            raise BadRequest("this model has no chat template: send the prompt to /v1/completions, or start the head "
+                             "with --chat-template FILE", param="messages")
         encoded = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
