@@ -97,25 +97,20 @@ def _read(sock: socket.socket, size: int, *, first: bool = False) -> bytearray |
     """Exactly ``size`` bytes within :data:`FRAME_SECONDS`; None for a clean close before a frame's first byte."""
     buffer = bytearray(size)
     view, got = memoryview(buffer), 0
-    try:  # most often the bytes are there: no timeout to set (a system call), no clock to read
-        got = sock.recv_into(view, size, socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        pass
-    except OSError as exc:
-        raise ChannelClosed(f"the peer broke the channel ({exc})") from None
-    else:
-        if got == 0 and size:
-            if first:
-                return None
-            raise ChannelClosed(f"the peer hung up inside a frame (0 of {size} bytes)")
-    deadline = time.monotonic() + FRAME_SECONDS
+    deadline = None  # set once the bytes are not there yet: most often they are, and no timeout (a system call) is set
     while got < size:
-        left = deadline - time.monotonic()
-        if left <= 0:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
             raise ChannelClosed(f"a frame stopped arriving: {got} of {size} bytes in {FRAME_SECONDS:g} s")
-        sock.settimeout(left)
         try:
-            n = sock.recv_into(view[got:])
+            if left is None:
+                n = sock.recv_into(view[got:], size - got, socket.MSG_DONTWAIT)
+            else:
+                sock.settimeout(left)
+                n = sock.recv_into(view[got:])
+        except BlockingIOError:
+            deadline = time.monotonic() + FRAME_SECONDS
+            continue
         except TimeoutError:
             continue
         except OSError as exc:

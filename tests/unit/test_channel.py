@@ -119,7 +119,7 @@ def echo_steps(served: list[str]):
         served.append(threading.current_thread().name)
         if headers.get("X-Stop"):
             return None
-        return (channel.reply_frame(200, {}, body))
+        return channel.reply_frame(200, {}, body)
 
     return handle
 
@@ -267,7 +267,7 @@ def test_two_threads_waiting_on_each_others_channels_serve_each_other_meanwhile(
 
         def walk(thread, sock, body):
             started.wait(5)  # both threads are in their walks before either step is written
-            frame = (channel.request_frame({}, body))
+            frame = channel.request_frame({}, body)
             if not thread.wait_answer(sock, frame, 3.0):
                 return None
             return bytes(channel.read_reply(sock)[2])
