@@ -44,22 +44,34 @@ _LOG_TAIL_BYTES = 64 * 1024  # read from the end of a log file to find its last 
 
 
 def free_port(host: str = LOOPBACK) -> int:
-    """A port nobody listens on right now on ``host`` (the OS picks it)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nobody listens on right now on ``host`` (the OS picks it), and not one this process handed out before.
+
+    The OS may pick a port again as soon as the socket that held it closes, and a child told a port takes
+    seconds to bind it: two nodes started one after the other could be told the same port, the second fail to
+    bind, and a wait for it be answered by the first. So a port handed out once is not handed out again.
+    """
+    return free_ports(1, host)[0]
 
 
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """``count`` different ports nobody listens on right now: each socket stays bound until all are chosen, so the
-    OS cannot hand out one of them twice (as separate :func:`free_port` calls may)."""
+    """``count`` different ports nobody listens on right now, none handed out before by this process: the sockets
+    stay bound until all are chosen, so the OS cannot pick one of them twice."""
     with contextlib.ExitStack() as held:
-        ports = []
-        for _ in range(count):
+        ports: list[int] = []
+        while len(ports) < count:
             s = held.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
             s.bind((host, 0))
-            ports.append(s.getsockname()[1])
+            port = s.getsockname()[1]
+            with _handed_out_lock:
+                if port in _handed_out:
+                    continue  # held bound until the end, so the OS picks another
+                _handed_out.add(port)
+            ports.append(port)
         return ports
+
+
+_handed_out: set[int] = set()  # every port free_port(s) returned in this process
+_handed_out_lock = threading.Lock()
 
 
 def node_url(host: str, port: int) -> str:

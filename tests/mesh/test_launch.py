@@ -67,6 +67,35 @@ def test_a_free_ipv6_port_can_be_listened_on():
         server.listen()
 
 
+def test_a_port_handed_out_once_is_not_handed_out_again_though_the_os_picks_it_again(monkeypatch):
+    """Nodes started one after the other bind seconds after they are told their ports: the OS may pick a port it
+    picked a moment ago, and the second node would fail to bind while a wait for it is answered by the first."""
+    import daemon.api.launch as launch
+
+    picks = iter([41001, 41001, 41002, 41001, 41002, 41003, 41004])
+
+    class OsPicks:
+        def __init__(self, *_):
+            self.port = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            return False
+
+        def bind(self, _address):
+            self.port = next(picks)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(launch.socket, "socket", OsPicks)
+    monkeypatch.setattr(launch, "_handed_out", set())
+    assert [free_port(), free_port()] == [41001, 41002]
+    assert launch.free_ports(2) == [41003, 41004]
+
+
 @pytest.mark.parametrize("host, url", [
     ("127.0.0.1", "http://127.0.0.1:7070"),
     ("0.0.0.0", "http://127.0.0.1:7070"),  # a wildcard is reached on loopback
