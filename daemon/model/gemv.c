@@ -26,11 +26,25 @@
 
 #define LANES 32
 
-/* ask for the weights 2 KiB ahead of the dot product reading them: the hardware's prefetchers alone left one row
- * by a bfloat16 matrix at 21-23 GB/s on a Zen 4 (a float32 sum over the same bytes: 32-37), 26-28 with 1 KiB
- * (mixture-of-experts pairs; the LM head 20 -> 23), int8 31 -> 35. On a 2-core Xeon (AVX-512 BF16) 2 KiB made the
- * built-in model's int8 node 7% faster than 1 KiB (124.0-125.7 against 114.9-117.0 tok/s), bfloat16 the same */
-#define PREFETCH(p) __builtin_prefetch((const char *)(p) + 2048, 0, 3)
+/* what a weight matrix holds: float32, bfloat16, int8 with one bfloat16 scale per row, or 4-bit values with one
+ * float16 scale per block of 32 (4-bit rows are in / 2 bytes long) */
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_Q4 = 3 };
+
+/* how far ahead of the dot product reading them (bytes) each kind's weights are asked for, 0 for not at all (the
+ * hardware's prefetchers alone). What pays depends on the CPU. On a 2-core Xeon (AVX-512, AMX) 2 KiB took one row by
+ * bfloat16 experts 21-23 -> 26-28 GB/s and made the built-in model's int8 node 7% faster than 1 KiB; on a 2-core
+ * Zen 4 it made the built-in model's float32 steps 15% slower than none, int8 ones 7% slower, 4-bit ones 2.5%
+ * faster. A node times its own weights each way when it plans its kernels (daemon/model/prefetch.py) and sets it
+ * with meshnet_set_ahead; until then, 2 KiB. */
+static long ahead[4] = {2048, 2048, 2048, 2048};
+
+void meshnet_set_ahead(int kind, long bytes) {
+    if (kind >= W_F32 && kind <= W_Q4) ahead[kind] = bytes > 0 ? bytes : 0;
+}
+
+long meshnet_ahead(int kind) { return kind >= W_F32 && kind <= W_Q4 ? ahead[kind] : -1; }
+
+#define PREFETCH(kind, p) (ahead[kind] ? __builtin_prefetch((const char *)(p) + ahead[kind], 0, 3) : (void)0)
 
 enum { F32 = 0, BF16 = 1 };
 
@@ -90,7 +104,7 @@ static inline float dot_f32(const float *restrict w, const float *restrict x, lo
     float acc[LANES] = {0};
     long k = 0;
     for (; k + LANES <= n; k += LANES) {
-        PREFETCH(w + k), PREFETCH((const char *)(w + k) + 64);
+        PREFETCH(W_F32, w + k), PREFETCH(W_F32, (const char *)(w + k) + 64);
         for (int j = 0; j < LANES; j++) acc[j] += w[k + j] * x[k + j];
     }
     float tail = 0.f;
@@ -112,7 +126,7 @@ static inline float dot_bf16_pairs(const uint16_t *restrict w, const uint16_t *r
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     long k = 0;
     for (; k + 64 <= n; k += 64) {
-        PREFETCH(w + k), PREFETCH(w + k + 32);
+        PREFETCH(W_BF16, w + k), PREFETCH(W_BF16, w + k + 32);
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
         a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + k + 32), (__m512bh)_mm512_loadu_si512(x + k + 32));
     }
@@ -187,7 +201,7 @@ static inline float dot_q8(const int8_t *restrict w, const struct q8row *x, long
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     long k = 0;
     for (; k + 2 * Q8_BLOCK <= n; k += 2 * Q8_BLOCK) {
-        PREFETCH(w + k), PREFETCH(w + k + Q8_BLOCK);
+        PREFETCH(W_INT8, w + k), PREFETCH(W_INT8, w + k + Q8_BLOCK);
         a0 = q8_block(w, x, k, a0);
         a1 = q8_block(w, x, k + Q8_BLOCK, a1);
     }
@@ -361,9 +375,9 @@ static inline float dot_q4(const uint8_t *restrict w, const uint16_t *restrict d
     __m512 a[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     long k = 0;
     for (; k + 128 <= n; k += 128) {
-        /* 2 KiB ahead, not 1: a run of 4-bit weights is 64 bytes of more work than bfloat16's 128; on the Xeon
-         * three alternations of each gave 4-12% more on 1024x2048, 8192x2048 and 2048x4096 (4 KiB: no more) */
-        __builtin_prefetch(w + k / 2 + 2048, 0, 3);
+        /* 2 KiB ahead rather than 1: a run of 4-bit weights is 64 bytes of more work than bfloat16's 128; on the
+         * Xeon three alternations of each gave 4-12% more on 1024x2048, 8192x2048 and 2048x4096 (4 KiB: no more) */
+        PREFETCH(W_Q4, w + k / 2);
         q4_run(w, d, x, k, a);
     }
     if (k + 64 <= n) a[0] = q4_run64(w, d, x, k, a[0]), k += 64;
@@ -393,10 +407,6 @@ static const float *inputs(const void *x, long count, int dtype, float *scratch)
 /* and bfloat16 matrices at least this tall by bfloat16 inputs, whatever their rows' length: one row by a 49152x2048
  * LM head 23 -> 25 GB/s on a Zen 4, where the experts' 1024x2048 and 2048x512 matrices gained nothing */
 #define TALL 16384
-
-/* what a weight matrix holds: float32, bfloat16, int8 with one bfloat16 scale per row, or 4-bit values with one
- * float16 scale per block of 32 (4-bit rows are in / 2 bytes long) */
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_Q4 = 3 };
 
 /* one input row of a product: float32 values, or for int8 weights their quantization */
 struct row {

@@ -321,7 +321,18 @@ class PlanStore:
             return None
 
     def put(self, key: str, plan: Plan) -> None:
-        self._all.setdefault(self.section, {})[key] = asdict(plan) | {"kernels": list(plan.kernels)}
+        self._write(key, asdict(plan) | {"kernels": list(plan.kernels)})
+
+    def setting(self, key: str) -> int | None:
+        """A whole-number setting measured on this machine (:mod:`daemon.model.prefetch`), or None."""
+        value = self._all.get(self.section, {}).get(key)
+        return value if type(value) is int else None
+
+    def remember(self, key: str, value: int) -> None:
+        self._write(key, value)
+
+    def _write(self, key: str, entry) -> None:
+        self._all.setdefault(self.section, {})[key] = entry
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             temporary = self.path.with_suffix(f".{os.getpid()}.tmp")

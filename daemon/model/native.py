@@ -95,6 +95,12 @@ class Library:
         self.q8_floats = lib.meshnet_q8_floats
         self.q8_floats.argtypes = [_L]
         self.q8_floats.restype = _L
+        self.set_ahead = lib.meshnet_set_ahead
+        self.set_ahead.argtypes = [_I, _L]
+        self.set_ahead.restype = None
+        self.ahead = lib.meshnet_ahead
+        self.ahead.argtypes = [_I]
+        self.ahead.restype = _L
         self.argmax = lib.meshnet_argmax
         self.argmax.argtypes = [_P, _L]
         self.argmax.restype = _L

@@ -187,11 +187,13 @@ class ModelShard(DecoderLayers):
     def plan_kernels(self, *, max_rows: int, store=None, progress=None) -> dict:
         """Lay out this node's float weights and choose their products' kernels by timing them on this CPU
         (:mod:`daemon.model.kernels`), for batches of up to ``max_rows`` rows: the decoder layers it hosts and, on
-        the tail, the LM head; MoE experts get kernels for their shapes (:func:`daemon.model.experts.plan_experts`).
-        A no-op off the CPU. Returns the linear weights' plans by weight shape."""
+        the tail, the LM head; MoE experts get kernels for their shapes (:func:`daemon.model.experts.plan_experts`), and
+        each kind of weight how far ahead the native kernels ask for it (:mod:`daemon.model.prefetch`). A no-op off
+        the CPU. Returns the linear weights' plans by weight shape."""
         from daemon.model.experts import plan_experts
         from daemon.model.kernels import describe, plan_linears
         from daemon.model.linear_attention import use_native_delta_steps
+        from daemon.model.prefetch import plan_prefetch
 
         if self.device.type != "cpu":
             return {}
@@ -209,6 +211,7 @@ class ModelShard(DecoderLayers):
         if progress is not None and expert_plans:
             progress("expert " + describe(expert_plans))
         use_native_delta_steps(self.model)  # linear-attention layers' one-position steps, in one call each
+        plan_prefetch(modules + ([self.model.lm_head] if self.is_tail else []), store=store, progress=progress)
         return plans
 
     # ---- steps -------------------------------------------------------------------------------
