@@ -404,9 +404,17 @@ static const float *inputs(const void *x, long count, int dtype, float *scratch)
 /* rows at least this long take four at a time (their float32 input outgrows a 32 KiB first-level cache): one row by
  * a 4096x14336 bfloat16 matrix 20 -> 30 GB/s on a Zen 4; shorter rows ran slower so (the partial sums spill) */
 #define LONG_ROW 8192
-/* and bfloat16 matrices at least this tall by bfloat16 inputs, whatever their rows' length: one row by a 49152x2048
- * LM head 23 -> 25 GB/s on a Zen 4, where the experts' 1024x2048 and 2048x512 matrices gained nothing */
+/* and, where four_tall is set, bfloat16 matrices at least this tall by bfloat16 inputs, whatever their rows' length:
+ * one row by a 49152x2048 LM head 23 -> 25 GB/s on a Zen 4 asking 1 KiB ahead, where the experts' 1024x2048 and
+ * 2048x512 matrices gained nothing; on a Zen 4 VM asking nothing ahead, a row at a time made the Qwen3.5-MoE-shaped
+ * step 4% faster. A node times its LM head both ways (daemon/model/prefetch.py) and sets it with
+ * meshnet_set_four_tall; until then, set */
 #define TALL 16384
+static int four_tall = 1;
+
+void meshnet_set_four_tall(int on) { four_tall = on != 0; }
+
+int meshnet_four_tall(void) { return four_tall; }
 
 /* one input row of a product: float32 values, or for int8 weights their quantization */
 struct row {
@@ -459,7 +467,7 @@ static void rows_by(int kind, const void *w, const uint16_t *scale, const void *
         const float *f = inputs(x, rows * in, dtype, scratch);
         for (long m = 0; m < rows; m++) xs[m].f = f + m * in, xs[m].h = NULL;
     }
-    const long long_row = BF16_PAIRS && kind == W_BF16 && dtype == BF16 && out >= TALL ? 0 : LONG_ROW;
+    const long long_row = BF16_PAIRS && kind == W_BF16 && dtype == BF16 && four_tall && out >= TALL ? 0 : LONG_ROW;
 #pragma omp parallel for schedule(static)
     for (long b = 0; b < (out + 3) / 4; b++) {
         const long r0 = b * 4;

@@ -101,6 +101,12 @@ class Library:
         self.ahead = lib.meshnet_ahead
         self.ahead.argtypes = [_I]
         self.ahead.restype = _L
+        self.set_four_tall = lib.meshnet_set_four_tall
+        self.set_four_tall.argtypes = [_I]
+        self.set_four_tall.restype = None
+        self.four_tall = lib.meshnet_four_tall
+        self.four_tall.argtypes = []
+        self.four_tall.restype = _I
         self.argmax = lib.meshnet_argmax
         self.argmax.argtypes = [_P, _L]
         self.argmax.restype = _L

@@ -198,6 +198,8 @@ class ModelShard(DecoderLayers):
         if self.device.type != "cpu":
             return {}
         modules = [m for i in range(self.start, self.end) for m in self._layers[i].modules()]
+        # first how gemv.c streams weights on this CPU: the plans below then time it as the steps will run it
+        plan_prefetch(modules + ([self.model.lm_head] if self.is_tail else []), store=store, progress=progress)
         # where the layers take native steps (daemon.model.decode.NativeSteps), their one-position steps read the
         # weights as [out, in]: a transposed layout would save a product's time and lose the whole step's
         self.native_steps = True
@@ -211,7 +213,6 @@ class ModelShard(DecoderLayers):
         if progress is not None and expert_plans:
             progress("expert " + describe(expert_plans))
         use_native_delta_steps(self.model)  # linear-attention layers' one-position steps, in one call each
-        plan_prefetch(modules + ([self.model.lm_head] if self.is_tail else []), store=store, progress=progress)
         return plans
 
     # ---- steps -------------------------------------------------------------------------------

@@ -20,10 +20,11 @@ needs_library = pytest.mark.skipif(native.library() is None, reason="no C compil
 def library():
     """The native library, its settings put back afterwards (they are the process's)."""
     lib = native.library()
-    before = {kind: lib.ahead(kind) for kind in prefetch.KINDS.values()}
+    before, four_tall = {kind: lib.ahead(kind) for kind in prefetch.KINDS.values()}, lib.four_tall()
     yield lib
     for kind, value in before.items():
         lib.set_ahead(kind, value)
+    lib.set_four_tall(four_tall)
 
 
 def _products(dtype_or_kind: str):
@@ -63,32 +64,35 @@ def test_a_setting_out_of_range_is_ignored_and_a_negative_one_is_none(library):
     assert library.ahead(7) == -1 and [library.ahead(k) for k in range(4)].count(4096) == 0
 
 
-class FakeLibrary:
-    """Takes settings as gemv.c does; products that sleep as long as the setting makes them."""
+@pytest.mark.parametrize("off, on, expected", [(0.002, 0.004, 0), (0.004, 0.002, 2048), (0.0045, 0.004, 2048)])
+def test_a_setting_is_turned_off_only_where_off_is_faster_by_the_margin(monkeypatch, off, on, expected):
+    """(Sleeps stand for products: a slower host oversleeps both alike.) A fake library takes the settings."""
+    settings = {1: 1024}
 
-    def __init__(self, setting: int = prefetch.AHEAD) -> None:
-        self.settings = {kind: setting for kind in prefetch.KINDS.values()}
+    class Library:
+        def set_ahead(self, kind, value):
+            settings[kind] = value
 
-    def set_ahead(self, kind: int, value: int) -> None:
-        self.settings[kind] = value
+        def ahead(self, kind):
+            return settings[kind]
 
-    def ahead(self, kind: int) -> int:
-        return self.settings[kind]
+        set_four_tall = four_tall = None
+
+    monkeypatch.setattr(native, "library", Library)
+    monkeypatch.setattr(prefetch, "ROUNDS", 3)
+    monkeypatch.setattr(prefetch, "_products_by_kind",
+                        lambda modules: {"bfloat16": [lambda: time.sleep({0: off, 2048: on}.get(settings[1], 0.0))]})
+    said = []
+    assert prefetch.plan_prefetch([], progress=said.append) == {"bfloat16": expected}
+    assert settings[1] == expected
+    ratio = float(said[0].split("off took ")[1].split(" ")[0])
+    assert ratio == pytest.approx(off / on, rel=0.4)
 
 
-def _sleeping(lib: FakeLibrary, kind: int, seconds: dict[int, float]):
-    return [lambda: time.sleep(seconds.get(lib.ahead(kind), 0.0))]
-
-
-@pytest.mark.parametrize("without, with_, expected", [(0.002, 0.004, 0), (0.004, 0.002, prefetch.AHEAD),
-                                                      (0.0045, 0.004, prefetch.AHEAD)])
-def test_not_asking_is_chosen_only_where_it_is_faster_by_the_margin(without, with_, expected):
-    """(Sleeps stand for products: a slower host oversleeps both alike.)"""
-    lib = FakeLibrary(setting=1024)
-    chosen, ratio = prefetch.choose(lib, 2, _sleeping(lib, 2, {0: without, prefetch.AHEAD: with_}), rounds=3)
-    assert chosen == expected
-    assert ratio == pytest.approx(without / with_, rel=0.4)
-    assert lib.ahead(2) == 1024  # measuring leaves the setting as it found it
+def test_comparing_leaves_the_setting_as_it_found_it():
+    seen = []
+    ratio = prefetch.compare(seen.append, 7, [lambda: None], on=2048, rounds=3)
+    assert seen[-1] == 7 and set(seen[:-1]) == {0, 2048} and ratio > 0
 
 
 @needs_library
@@ -105,7 +109,7 @@ def test_a_node_measures_each_kind_it_holds_once_and_remembers_it(library, tmp_p
     assert library.ahead(prefetch.KINDS["float32"]) == chosen["float32"]
     assert library.ahead(prefetch.KINDS["int8"]) == 1024  # not measured, nothing remembered: left alone
     assert PlanStore(tmp_path / "plans.json").setting(key) == chosen["float32"]
-    assert said and said[0].startswith("weights asked for ahead: float32 ") and "of the time" in said[0]
+    assert said and said[0].startswith("weights streamed: float32 ") and "of on's time" in said[0]
 
     # the next node on this machine takes what was measured, without timing again
     remembered = 0 if chosen["float32"] else prefetch.AHEAD
@@ -114,7 +118,7 @@ def test_a_node_measures_each_kind_it_holds_once_and_remembers_it(library, tmp_p
     def no_timing(*_args, **_kwargs):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(prefetch, "choose", no_timing)
+    monkeypatch.setattr(prefetch, "compare", no_timing)
     assert prefetch.plan_prefetch(floats, store=PlanStore(tmp_path / "plans.json")) == {"float32": remembered}
     assert library.ahead(prefetch.KINDS["float32"]) == remembered
 
@@ -138,3 +142,26 @@ def test_without_the_library_nothing_is_set(monkeypatch, tmp_path):
     store = PlanStore(tmp_path / "plans.json")
     assert prefetch.plan_prefetch([nn.Linear(1024, 1024)], store=store) == {}
     assert not (tmp_path / "plans.json").exists()
+
+
+@needs_library
+def test_a_tall_bfloat16_matrix_four_rows_at_a_time_or_one_gives_the_same_products(library):
+    torch.manual_seed(0)
+    weight = torch.randn(prefetch.TALL + 4, 96).to(torch.bfloat16)
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    library.set_four_tall(1)
+    four = native.gemv(x, weight)
+    library.set_four_tall(0)
+    assert library.four_tall() == 0
+    assert torch.equal(native.gemv(x, weight), four)
+
+
+@needs_library
+def test_a_node_with_a_tall_bfloat16_matrix_times_it_four_rows_at_a_time_and_one(library, tmp_path, monkeypatch):
+    monkeypatch.setattr(prefetch, "SAMPLE_BYTES", 1 << 20)
+    head = nn.Linear(64, prefetch.TALL).to(torch.bfloat16)  # 2 MiB
+    settings = prefetch.plan_prefetch([head], store=PlanStore(tmp_path / "plans.json"))
+    assert set(settings) == {"bfloat16", "four tall"} and settings["four tall"] in (0, 1)
+    assert library.four_tall() == settings["four tall"]
+    key = f"four tall threads {torch.get_num_threads()}"
+    assert PlanStore(tmp_path / "plans.json").setting(key) == settings["four tall"]
