@@ -33,9 +33,9 @@ enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_Q4 = 3 };
 /* how far ahead of the dot product reading them (bytes) each kind's weights are asked for, 0 for not at all (the
  * hardware's prefetchers alone). What pays depends on the CPU. On a 2-core Xeon (AVX-512, AMX) 2 KiB took one row by
  * bfloat16 experts 21-23 -> 26-28 GB/s and made the built-in model's int8 node 7% faster than 1 KiB; on a 2-core
- * Zen 4 it made the built-in model's float32 steps 15% slower than none, int8 ones 7% slower, 4-bit ones 2.5%
- * faster. A node times its own weights each way when it plans its kernels (daemon/model/prefetch.py) and sets it
- * with meshnet_set_ahead; until then, 2 KiB. */
+ * Zen 4 VM the built-in model's float32 steps took 0.87-0.96 of the time without it, int8 ones 0.94, 4-bit ones
+ * 1.07 (it pays there). A node times its own weights each way when it plans its kernels (daemon/model/prefetch.py,
+ * docs/adr/0050) and sets it with meshnet_set_ahead; until then, 2 KiB. */
 static long ahead[4] = {2048, 2048, 2048, 2048};
 
 void meshnet_set_ahead(int kind, long bytes) {
@@ -406,8 +406,8 @@ static const float *inputs(const void *x, long count, int dtype, float *scratch)
 #define LONG_ROW 8192
 /* and, where four_tall is set, bfloat16 matrices at least this tall by bfloat16 inputs, whatever their rows' length:
  * one row by a 49152x2048 LM head 23 -> 25 GB/s on a Zen 4 asking 1 KiB ahead, where the experts' 1024x2048 and
- * 2048x512 matrices gained nothing; on a Zen 4 VM asking nothing ahead, a row at a time made the Qwen3.5-MoE-shaped
- * step 4% faster. A node times its LM head both ways (daemon/model/prefetch.py) and sets it with
+ * 2048x512 matrices gained nothing; on a Zen 4 VM asking nothing ahead, a row at a time took the Qwen3.5-MoE-shaped
+ * step 20.6 -> 15.0 ms. A node times its LM head both ways (daemon/model/prefetch.py) and sets it with
  * meshnet_set_four_tall; until then, set */
 #define TALL 16384
 static int four_tall = 1;

@@ -4,8 +4,8 @@ each machine by timing the node's own.
 A decode step streams every weight once, and ``gemv.c``'s dot products can ask for each weight row some bytes
 before they read it (``__builtin_prefetch``). Whether that pays depends on the CPU. On a 2-core Xeon asking 2 KiB
 ahead made products of bfloat16 experts 20% faster and the built-in model's int8 node 7%; on a 2-core Zen 4 the
-hardware's own prefetchers did better alone: the built-in model's float32 steps were 4-15% faster without it and its
-int8 steps 6-7%, while its 4-bit steps were 2.5-7% slower (steps in one process, alternating the two settings).
+hardware's own prefetchers did better alone: the built-in model's float32 steps took 0.87-0.96 of the time without it
+and its int8 steps 0.94, while its 4-bit steps took 1.07 (steps in one process, the two settings alternating).
 
 So when a node plans its kernels it times, for each kind of weight it holds (float32, bfloat16, int8, 4-bit), one
 row by a sample of its own matrices both ways, the two passes alternating over :data:`ROUNDS` rounds, and asks
@@ -16,8 +16,8 @@ caches, where asking ahead changes nothing) and keeps what was remembered, or :d
 
 The same goes for tall bfloat16 matrices (an LM head of :data:`TALL` rows or more), which ``gemv.c`` may multiply
 four rows at a time, the input read once for the four: 23 -> 25 GB/s on a Zen 4 asking 1 KiB ahead, but on the Zen 4
-VM above, asking nothing ahead, a row at a time made the Qwen3.5-MoE-shaped step 4% faster (its LM head is 192 of
-its 418 MiB a step). A node with such a matrix times it both ways too.
+VM above, asking nothing ahead, a row at a time took the Qwen3.5-MoE-shaped step in one process from 20.6 to 15.0 ms
+(its LM head is 192 of its 418 MiB a step). A node with such a matrix times it both ways too.
 
 The arithmetic is the same every way: only when the bytes arrive changes, and four rows at a time sum each row
 as one row at a time does (``tests/unit/test_prefetch.py``).
