@@ -21,7 +21,7 @@ import torch
 from daemon import wire
 from daemon.api import MemoryInfo, Sampling, SessionInfo
 from daemon.errors import BadRequest, CacheMiss, NoRoom
-from daemon.host import proc_status_bytes
+from daemon.host import host_cores, proc_status_bytes
 from daemon.kvstore import SessionCacheStore
 from daemon.model.cores import CoreShare
 from daemon.model.device import checkpoint_dtype, dtype_name, resolve_device, resolve_dtype
@@ -110,8 +110,14 @@ class ShardService:
                 from daemon.model.kernels import default_store
 
                 started = time.perf_counter()
-                shard.plan_kernels(max_rows=max_batch if shard.batch_refusal is None else 1, store=default_store(),
-                                   progress=log.info)
+                # timed on the threads the steps take when this node computes alone: one that shares the cores
+                # loads on its share among the local peers, then takes them all for a single stream's steps
+                torch.set_num_threads(host_cores() if share_cores else threads)
+                try:
+                    shard.plan_kernels(max_rows=max_batch if shard.batch_refusal is None else 1,
+                                       store=default_store(), progress=log.info)
+                finally:
+                    torch.set_num_threads(threads)
                 log.debug("kernel plans took %.2f s", time.perf_counter() - started)
             return shard
 

@@ -271,3 +271,29 @@ def test_bfloat16_plans_move_the_built_in_models_logits_within_the_bound(kernel,
     print(f"bfloat16 under the {kernel} plan: logits moved by at most {worst:.4f} of their scale")
     # 0 where this CPU's oneDNN and MKL add up alike (a Zen 4 with AVX-512 BF16 does): the bound holds all the same
     assert worst <= BFLOAT16_PLAN_BOUND
+
+
+@pytest.mark.parametrize("share_cores", [True, False])
+def test_a_node_beside_local_peers_times_its_plans_on_the_threads_its_steps_take(tiny_model, tmp_path, monkeypatch,
+                                                                                 share_cores):
+    """A node started beside peers on this host loads on its share of the cores (1 of 2 here), then takes every
+    core for a single stream's steps (daemon.model.cores): its plans are timed there, and it loads on its share."""
+    from daemon.model import service
+
+    monkeypatch.setenv("MESHNET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(service, "host_cores", lambda: 2)
+    timed_on = []
+    real = kernels.measure_plan
+    monkeypatch.setattr(kernels, "measure_plan", lambda weights, rows, **kw: timed_on.append(torch.get_num_threads())
+                        or real(weights, rows, **kw))
+    node = service.ShardService.load(tiny_model("llama"), 2, 4, store=SessionCacheStore(), kv_cache=True, threads=1,
+                                     share_cores=share_cores, tune_kernels=True)
+    try:
+        loaded_on = node.executor.submit(torch.get_num_threads).result()
+    finally:
+        node.close()
+    keys = next(iter(json.loads((tmp_path / "kernel-plans.json").read_text()).values()))
+    want = 2 if share_cores else 1  # with --threads, the steps take that many
+    assert timed_on and set(timed_on) == {want}
+    assert {key.split(" threads ")[1].split()[0] for key in keys if " rows " in key} == {str(want)}, keys
+    assert loaded_on == 1  # the share it loaded on, until its first step sets the threads
