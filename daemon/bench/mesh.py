@@ -29,6 +29,9 @@ class Mesh:
 
     ``specs``: per node, its inclusive layer range and extra arguments; ``node_args`` go to every node.
     ``hop_rtt_ms``: every node but the head is reached through a :class:`DelayProxy` with that round trip.
+    Its nodes share the host's cores among themselves only (a cores folder of their own,
+    :mod:`daemon.model.cores`): a mesh kept open and idle while another runs, for runs side by side, leaves
+    the other's nodes as they are alone (a lone node never parks its team).
     """
 
     def __init__(self, name: str, specs: list[tuple[str, list[str]]], model: str | None = None,
@@ -38,6 +41,7 @@ class Mesh:
         key = os.environ.get("MESHNET_API_KEY") or os.environ.get("MESHNET_TOKEN")
         self.headers = {"Content-Type": "application/json"} | auth_headers(key)
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshd-bench-"))
+        env = os.environ | {"MESHNET_CORES_DIR": str(self.log_dir / "cores")}
         self.procs: list[MeshdProcess] = []
         ports = free_ports(len(self.specs))
         self.port = ports[0]
@@ -52,7 +56,7 @@ class Mesh:
             args += ["--threads", str(self.threads)] if self.threads else []
             args += ["--public-url", urls[i]] if self.proxies else []
             args += [a for j, url in enumerate(urls) if j != i for a in ("--peer", url)]
-            self.procs.append(MeshdProcess(args, label=f"{self.name} node {layers}",
+            self.procs.append(MeshdProcess(args, env=env, label=f"{self.name} node {layers}",
                                            log_path=self.log_dir / f"{self.name.replace(' ', '-')}-{i}.log"))
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:

@@ -87,7 +87,9 @@ def check_targets(rows: list[dict], hidden_size: int, *, multiturn: Sequence[dic
             if one is not None and one.get("vs_llama") is not None and precision in TARGET_VS_LLAMA:
                 check(f"1 node vs {one['llama']}, {n} tokens", one["vs_llama"], TARGET_VS_LLAMA[precision],
                       at_least=True)
-            if one is not None and cached is not None and one.get("ratio") and cached.get("ratio"):
+            if cached is not None and cached.get("vs_one") is not None:  # the two meshes' runs side by side
+                check(f"2-node cached vs 1 node, {n} tokens", cached["vs_one"], TARGET_TWO_VS_ONE, at_least=True)
+            elif one is not None and cached is not None and one.get("ratio") and cached.get("ratio"):
                 # each against generate run just before it: the two ratios' quotient cancels the host's drift
                 check(f"2-node cached vs 1 node, {n} tokens", cached["ratio"] / one["ratio"], TARGET_TWO_VS_ONE,
                       at_least=True)
@@ -163,6 +165,9 @@ def print_table(rows: list[dict], sessions: list[dict], checks: list[dict], floo
         if r.get("vs_llama") is not None:
             print(f"{r['setup']}, {r.get('precision')}, {r['new_tokens']} tokens: {r['vs_llama']:.2f}x "
                   f"{r['llama']} (median of the pairs {' '.join(f'{x:.2f}' for x in r['paired_llama_ratios'])})")
+        if r.get("vs_one") is not None:
+            print(f"{r['setup']}, {r.get('precision')}, {r['new_tokens']} tokens: {r['vs_one']:.2f}x one node, run "
+                  f"straight before it (median of the pairs {' '.join(f'{x:.2f}' for x in r['paired_one_ratios'])})")
     if sessions:
         print()
         print("concurrent sessions, 2 nodes, cached: aggregate tok/s and inter-token latency (ITL) against one "

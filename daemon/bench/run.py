@@ -53,6 +53,19 @@ def fastest(times: int, run, *args) -> dict:
     return best | {"runs": times, "decode_tps_runs": [r["decode_tps"] for r in results]}
 
 
+def against_one(one: Mesh, two: Mesh, tokens: int, times: int) -> dict:
+    """``times`` pairs of runs side by side: the one-node mesh, then the two-node one straight after it (both open,
+    each on cores of its own folder, so neither node sees the idle mesh's). The two-node mesh's tokens/s over the
+    one node's in each pair, and their median: the two-node target's measure, with no third program between."""
+    one.generate(4)  # warm again after the other meshes' runs
+    ratios = []
+    for _ in range(times):
+        first, second = one.measure(tokens), two.measure(tokens)
+        if first["decode_tps"] and second["decode_tps"]:
+            ratios.append(second["decode_tps"] / first["decode_tps"])
+    return {"vs_one": statistics.median(ratios), "paired_one_ratios": ratios} if ratios else {}
+
+
 def _thirds(n: int) -> list[str]:
     cuts = [0, round(n / 3), round(2 * n / 3), n]
     return [f"{a}-{b - 1}" for a, b in zip(cuts, cuts[1:])]
@@ -290,31 +303,46 @@ def _measure_precision(args, folder: Path, precision: str, meshes: dict, rows: l
         return best | {"runs": times, "decode_tps_runs": [r["decode_tps"] for r in results],
                        "paired_ratios": ratios} | vs_llama
 
-    for key in ("one", "cached", "stateless", "three"):
-        if key not in args.setups:
-            continue
-        name, specs = meshes[key]
-        say(f"starting {name} in {precision}")
-        # room for every concurrent session, live or kept for reuse: no eviction shows up as a re-prefill
-        room = ["--kv-max-sessions", str(2 * max(args.sessions) + 2)] if key == "cached" else []
-        # every run computes its prompt whole, as generate does: a repeat starting from the last run's prefix would
-        # compute its last prompt position alone, which in bfloat16 rounds otherwise and may change later tokens
-        mesh = Mesh(name, specs, args.model, args.threads,
-                    node_args=_node_args(args, precision) + room + ["--prefix-reuse", "off"])
-        try:
-            mesh.generate(4)  # warm-up: connections, route measurements, lazy loads
-            for tokens in args.tokens:
-                measure_reference(tokens)  # right before the mesh it is compared with, so both see the same load
-                if key == "one":
-                    measure_llama(tokens)
-                add(name, tokens, measure_mesh(mesh, tokens, 1 if key == "stateless" else args.repeat,
-                                               against_llama=key == "one") | {"nodes": mesh.memory()})
-            counts = sorted({1, *args.sessions} - {0}) if any(args.sessions) else []
-            if key == "cached" and counts:
-                sessions.extend(group | {"precision": precision}
-                                for group in paired_sessions(mesh, counts, args.session_tokens, args.repeat))
-        finally:
-            mesh.stop()
+    one = None  # the one-node mesh, kept open and idle while the two-node cached mesh runs: runs of the two pair up
+    try:
+        for key in ("one", "cached", "stateless", "three"):
+            if key not in args.setups:
+                continue
+            name, specs = meshes[key]
+            say(f"starting {name} in {precision}")
+            # room for every concurrent session, live or kept for reuse: no eviction shows up as a re-prefill
+            room = ["--kv-max-sessions", str(2 * max(args.sessions) + 2)] if key == "cached" else []
+            # every run computes its prompt whole, as generate does: a repeat starting from the last run's prefix
+            # would compute its last prompt position alone, which in bfloat16 rounds otherwise and may change later
+            # tokens
+            mesh = Mesh(name, specs, args.model, args.threads,
+                        node_args=_node_args(args, precision) + room + ["--prefix-reuse", "off"])
+            try:
+                mesh.generate(4)  # warm-up: connections, route measurements, lazy loads
+                for tokens in args.tokens:
+                    measure_reference(tokens)  # right before the mesh it is compared with: both see the same load
+                    if key == "one":
+                        measure_llama(tokens)
+                    result = measure_mesh(mesh, tokens, 1 if key == "stateless" else args.repeat,
+                                          against_llama=key == "one")
+                    if key == "cached" and one is not None:
+                        result |= against_one(one, mesh, tokens, args.repeat)
+                    add(name, tokens, result | {"nodes": mesh.memory()})
+                counts = sorted({1, *args.sessions} - {0}) if any(args.sessions) else []
+                if key == "cached" and counts:
+                    sessions.extend(group | {"precision": precision}
+                                    for group in paired_sessions(mesh, counts, args.session_tokens, args.repeat))
+            finally:
+                if key == "one" and "cached" in args.setups:
+                    one = mesh
+                else:
+                    mesh.stop()
+            if key == "cached" and one is not None:
+                one.stop()
+                one = None
+    finally:
+        if one is not None:
+            one.stop()
     for tokens in args.tokens:
         measure_reference(tokens)
         measure_llama(tokens)

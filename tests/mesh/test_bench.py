@@ -55,6 +55,9 @@ def test_a_quick_run_measures_every_setup_and_writes_json(tiny_model, tmp_path):
             assert row["setup"] in proc.stdout
             # each mesh run right after a generate run: the ratio is the pairs' median
             assert len(row["paired_ratios"]) == row["runs"] == 1 and row["ratio"] == row["paired_ratios"][0]
+            if row["setup"] == "mesh, 2 nodes, cached":  # and right after a run of the one-node mesh, kept open
+                assert len(row["paired_one_ratios"]) == 1 and row["vs_one"] == row["paired_one_ratios"][0] > 0
+                assert "x one node, run straight before it" in proc.stdout
             if row["setup"] == "mesh, 1 node":  # no hop: nothing crosses the network
                 assert row["overhead_ms_per_hop_step"] is None and row["payload_bytes_per_hop_step"] is None
                 continue
@@ -217,6 +220,17 @@ def test_one_node_is_held_to_llama_cpp_at_its_precision_and_two_nodes_to_one():
         ("int8", "2-node cached vs 1 node, 128 tokens"): (0.8, 0.8, True),  # 1.0 / 1.25: each against generate
         ("bfloat16", "2-node cached vs 1 node, 128 tokens"): (1.0, 0.8, True),  # no llama.cpp target in bfloat16
     }
+
+
+def test_two_nodes_are_held_to_the_one_node_runs_beside_them_where_they_were_paired():
+    one = {"setup": "mesh, 1 node", "precision": "bfloat16", "new_tokens": 128, "ratio": 1.25}
+    paired = {"setup": "mesh, 2 nodes, cached", "precision": "bfloat16", "new_tokens": 128, "ratio": 0.95,
+              "vs_one": 0.86, "paired_one_ratios": [0.91, 0.86, 0.84]}
+    [check] = [c for c in check_targets([one, paired], hidden_size=576) if "1 node" in c["target"]]
+    assert (check["value"], check["met"]) == (0.86, True)  # not 0.95 / 1.25 through generate's runs
+    unpaired = {k: v for k, v in paired.items() if k not in ("vs_one", "paired_one_ratios")}
+    [check] = [c for c in check_targets([one, unpaired], hidden_size=576) if "1 node" in c["target"]]
+    assert (round(check["value"], 3), check["met"]) == (0.76, False)
 
 
 def test_many_sessions_are_measured_against_a_one_session_run_just_before_each(monkeypatch):
