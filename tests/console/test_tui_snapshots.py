@@ -6,6 +6,9 @@ head in the console's own loop (``tests.support.console_messages.AnsweringConsol
 frozen clock before each chunk and posts the chunks as the messages the console's HTTP worker posts.
 Route events show the local wall clock, so the time zone is pinned to UTC. Update the baselines with
 ``pytest tests/console/test_tui_snapshots.py --snapshot-update`` and look at the SVGs.
+
+Marked ``slow``, as golden renders (1-5 s each, 30 s in all on a 2-core host): the fast subset keeps the pilot's
+tests of the same views' behaviour and stays under 3 minutes.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from tests.support.tui_data import (
     session_list,
     two_node_route,
 )
+
+pytestmark = pytest.mark.slow
 
 SIZE = (100, 32)
 UNEVEN_STEPS = (0.08, 0.09, 0.1, 0.12, 0.2, 0.1, 0.09, 0.08, 0.08, 0.11)  # seconds between chunks
