@@ -120,22 +120,28 @@ def _tall(module: nn.Module) -> bool:
 
 
 def _tall_sample(modules: list[nn.Module]) -> list[Product] | None:
-    products = [(m.weight.numel() * 2, _bind(native.gemv, torch.randn(1, m.in_features, dtype=torch.bfloat16),
-                                             m.weight.detach())) for m in modules if _tall(m)]
-    return _sample(products)
+    return _sample([(m.weight.numel() * 2, functools.partial(_gemv_row, m.weight.detach())) for m in modules
+                    if _tall(m)])
 
 
 def _products_by_kind(modules: Iterable[nn.Module]) -> dict[str, list[Product] | None]:
     """For each kind of weight the native kernels multiply among ``modules``: a sample of one-row products by its
-    matrices of at least :data:`SAMPLE_BYTES`, or None where there are fewer bytes of that kind."""
+    matrices of at least :data:`SAMPLE_BYTES`, or None where there are fewer bytes of that kind. Only the
+    sample's products are made (each with an input row drawn): a 40-layer MoE node holds some 20,000 matrices."""
     from daemon.model.experts import known_layout
     from daemon.model.int4 import Int4WeightLinear
     from daemon.model.quantize import Int8WeightLinear
 
-    found: dict[str, list[tuple[int, Product]]] = {}
+    found: dict[str, list[tuple[int, Callable[[], Product]]]] = {}
+    held: dict[str, int] = {}  # bytes found so far, by kind
 
-    def add(kind: str, nbytes: int, product: Product) -> None:
-        found.setdefault(kind, []).append((nbytes, product))
+    def full(kind: str) -> bool:  # the sample has its bytes: later matrices of the kind are never taken
+        return held.get(kind, 0) >= SAMPLE_BYTES
+
+    def add(kind: str, nbytes: int, make: Callable[[], Product]) -> None:
+        if not full(kind):
+            found.setdefault(kind, []).append((nbytes, make))
+            held[kind] = held.get(kind, 0) + nbytes
 
     seen: set[int] = set()
     for module in modules:
@@ -143,34 +149,35 @@ def _products_by_kind(modules: Iterable[nn.Module]) -> dict[str, list[Product] |
             continue
         seen.add(id(module))
         if type(module) is Int8WeightLinear and module.weight_int8.device.type == "cpu":
-            x = torch.randn(1, module.in_features)
-            add("int8", module.weight_int8.numel(), _bind(native.gemv_int8, x, module.weight_int8, module.scale))
+            add("int8", module.weight_int8.numel(), functools.partial(
+                _drawn, native.gemv_int8, module.in_features, torch.float32, module.weight_int8, module.scale))
         elif type(module) is Int4WeightLinear and module.weight_q4.device.type == "cpu":
-            x = torch.randn(1, module.in_features)
-            add("int4", module.weight_q4.numel(), _bind(native.gemv_q4, x, module.weight_q4, module.scale,
-                                                        module.in_features))
+            add("int4", module.weight_q4.numel(), functools.partial(
+                _drawn, native.gemv_q4, module.in_features, torch.float32, module.weight_q4, module.scale,
+                module.in_features))
         elif isinstance(module, nn.Linear) and _plain(module.weight):
             weight = module.weight.detach()
-            add(_dtype_kind(weight), weight.numel() * weight.element_size(),
-                _bind(native.gemv, torch.randn(1, weight.shape[1], dtype=weight.dtype), weight))
+            add(_dtype_kind(weight), weight.numel() * weight.element_size(), functools.partial(_gemv_row, weight))
         elif known_layout(module):
             for stack in (module.gate_up_proj, module.down_proj):
                 if _plain(stack[0]):
-                    x = torch.randn(1, stack.shape[2], dtype=stack.dtype)
-                    for matrix in stack.detach().unbind(0):
-                        add(_dtype_kind(matrix), matrix.numel() * matrix.element_size(), _bind(native.gemv, x, matrix))
+                    stack, kind = stack.detach(), _dtype_kind(stack)
+                    for i in range(stack.shape[0]):
+                        if full(kind):
+                            break
+                        add(kind, stack[0].numel() * stack.element_size(), functools.partial(_gemv_expert, stack, i))
     return {kind: _sample(products) for kind, products in found.items()}
 
 
-def _sample(products: list[tuple[int, Product]]) -> list[Product] | None:
-    """The first products of ``(bytes, product)`` that read :data:`SAMPLE_BYTES`, or None where all read fewer."""
+def _sample(products: list[tuple[int, Callable[[], Product]]]) -> list[Product] | None:
+    """The first products of ``(bytes, make)`` that read :data:`SAMPLE_BYTES`, made, or None where all read fewer."""
     sample, total = [], 0
-    for nbytes, product in products:
+    for nbytes, make in products:
         if total >= SAMPLE_BYTES:
             break
-        sample.append(product)
+        sample.append(make)
         total += nbytes
-    return sample if total >= SAMPLE_BYTES else None
+    return [make() for make in sample] if total >= SAMPLE_BYTES else None
 
 
 def _plain(weight: torch.Tensor) -> bool:
@@ -185,3 +192,16 @@ def _dtype_kind(weight: torch.Tensor) -> str:
 
 def _bind(function, *args) -> Product:
     return lambda: function(*args)
+
+
+def _drawn(function, width: int, dtype: torch.dtype, *args) -> Product:
+    """``function`` of a random input row of ``width`` values and ``args``."""
+    return _bind(function, torch.randn(1, width, dtype=dtype), *args)
+
+
+def _gemv_row(weight: torch.Tensor) -> Product:
+    return _drawn(native.gemv, weight.shape[1], weight.dtype, weight)
+
+
+def _gemv_expert(stack: torch.Tensor, index: int) -> Product:
+    return _gemv_row(stack[index])
