@@ -180,6 +180,8 @@ class FastDecoder:
     (``DecoderLayers.forget_fast_decoder``).
     """
 
+    attends = True  # every layer it binds attends: a step needs its position's rotary (cos, sin)
+
     def __init__(self, layers: Sequence[nn.Module], config, layer_types: Sequence[str], start: int, end: int, *,
                  native_steps: bool = False) -> None:
         self.start, self.end = start, end

@@ -29,6 +29,7 @@ from daemon.model.batching import (
     head_rows,
 )
 from daemon.model.decode import MAX_ROWS, REDUCED_DTYPES, FastDecoder, float_attention
+from daemon.model.hybrid_decode import HybridDecoder
 from daemon.model.rotary import RotaryTable
 
 # Which mask each attention type gets, as the models' own forwards build them.
@@ -88,7 +89,8 @@ class DecoderLayers:
             if fast.fits(start_layer) and fast.cache_fits(cache, start_layer, past_len):
                 # SDPA full-attention layers (the only ones it binds): one position attends to every one before
                 # it and to itself, for which the mask builders answer None, so no mask is built
-                return fast.run(hidden, self._rotary_at(hidden, past_len), cache, start_layer)
+                rotary = self._rotary_at(hidden, past_len) if fast.attends else None
+                return fast.run(hidden, rotary, cache, start_layer)
         position_ids = torch.arange(past_len, past_len + q_len, device=hidden.device).unsqueeze(0)  # [1, T]
         hosted = range(start_layer, self.end)
         types = self.layer_types
@@ -133,11 +135,15 @@ class DecoderLayers:
         return torch.cat([self.run_layers(hidden[:, i:i + 1], start_layer=start_layer, past_len=past_len + i,
                                           cache=cache) for i in range(q_len)], dim=1)
 
-    def fast_decoder(self) -> FastDecoder:
-        """The one-position path through these layers (:mod:`daemon.model.decode`), bound on first use."""
+    def fast_decoder(self) -> FastDecoder | HybridDecoder:
+        """The one-position path through these layers, bound on first use: Llama-family layers'
+        (:mod:`daemon.model.decode`), else Qwen3.5's hybrid ones' (:mod:`daemon.model.hybrid_decode`)."""
         if self._fast is None:
             self._fast = FastDecoder(self._layers, self.config, self.layer_types, self.start, self.end,
                                      native_steps=self.native_steps)
+            if not self._fast.fits(self.start):
+                self._fast = HybridDecoder.bind(self._layers, self.config, self.start, self.end,
+                                                native_steps=self.native_steps) or self._fast
         return self._fast
 
     def forget_fast_decoder(self) -> None:

@@ -1,0 +1,129 @@
+"""Qwen3.5's one-position path (``daemon.model.hybrid_decode``) computes bit for bit what its layers' own forward does.
+
+Each case prefills a shard of the tiny Qwen3.5 (dense or MoE: three gated delta net layers, then a gated attention
+layer with rotary on a quarter of each head), then decodes with the path on and with it off, and holds every step's
+hidden states, logits and the states left in the cache to be identical: float32 and bfloat16, a whole model and a
+shard of its later layers, with and without the plans a node makes (native delta-net steps, planned products and
+experts, float32 attention for bfloat16 queries), with quantized weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from daemon.kvstore import SessionCacheStore
+from daemon.model import hybrid_decode
+from daemon.model.shard import ModelShard
+
+PROMPT = [5, 17, 300, 4021, 77, 912, 13, 2048, 600]
+STEPS = 6
+
+
+def _decode(shard: ModelShard, start_layer: int, *, fast: bool, monkeypatch) -> tuple[list[torch.Tensor], int]:
+    """Hidden states (and the tail's logits) after each of ``STEPS`` decode steps of random inputs, then every
+    tensor the cache holds; and how many steps took the path."""
+    runs = []
+    real_run = hybrid_decode.HybridDecoder.run
+
+    def counted(self, *args, **kwargs):
+        runs.append(1)
+        return real_run(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(hybrid_decode.HybridDecoder, "run", counted)
+        if not fast:
+            m.setattr(hybrid_decode.HybridDecoder, "fits", lambda self, start: False)
+        generator = torch.Generator().manual_seed(0)
+        width = shard.config.hidden_size
+        cache = shard.new_cache()
+        hidden = torch.randn(1, len(PROMPT), width, generator=generator).to(shard.dtype)
+        shard.run_layers(hidden, start_layer=start_layer, past_len=0, cache=cache)
+        outs = []
+        for step in range(STEPS):
+            hidden = torch.randn(1, 1, width, generator=generator).to(shard.dtype)
+            out = shard.run_layers(hidden, start_layer=start_layer, past_len=len(PROMPT) + step, cache=cache)
+            outs.append(out.clone())
+            if shard.is_tail:
+                outs.append(shard.logits_last(out))
+        for layer in cache.layers[start_layer:]:  # what each layer holds: keys and values, or its delta net's states
+            held = [getattr(layer, "keys", None), getattr(layer, "values", None),
+                    *getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
+            outs.extend(t for t in held if t is not None)
+    return outs, len(runs)
+
+
+def _shard(folder, start: int, end: int, **kwargs) -> ModelShard:
+    """A shard whose RMSNorm weights are random: a tiny model is made with them all 0 (Qwen3.5 scales by
+    ``1 + weight``), which would hide how a norm rounds."""
+    shard = ModelShard(folder, start, end, head=start == 0, sessions=SessionCacheStore(), **kwargs)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for module in shard.model.modules():
+            if type(module).__name__ in hybrid_decode._NORM_CLASSES:
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
+    shard.forget_fast_decoder()  # bound at load (with 1 + weight made once): bound again to the new weights
+    return shard
+
+
+def _same(fast: list[torch.Tensor], slow: list[torch.Tensor]) -> None:
+    assert len(fast) == len(slow) > STEPS
+    for got, want in zip(fast, slow):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["own", "planned"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch, start", [("qwen3_5_moe", 0), ("qwen3_5_moe", 2), ("qwen3_5", 0)])
+def test_the_path_is_bitwise_the_layers_own_forward(tiny_model, monkeypatch, arch, start, dtype, planned):
+    shard = _shard(tiny_model(arch), start, 4, dtype=dtype)
+    if planned:
+        shard.plan_kernels(max_rows=1)
+    assert isinstance(shard.fast_decoder(), hybrid_decode.HybridDecoder)
+    slow, slow_runs = _decode(shard, start, fast=False, monkeypatch=monkeypatch)
+    fast, fast_runs = _decode(shard, start, fast=True, monkeypatch=monkeypatch)
+    assert (slow_runs, fast_runs) == (0, STEPS)
+    _same(fast, slow)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_layers_and_experts_take_the_path_bitwise(tiny_model, monkeypatch, quantize):
+    """Quantized projections and 4-bit expert stacks run through their own products."""
+    shard = _shard(tiny_model("qwen3_5_moe"), 0, 4, dtype=torch.bfloat16, quantize=quantize)
+    slow, _ = _decode(shard, 0, fast=False, monkeypatch=monkeypatch)
+    fast, fast_runs = _decode(shard, 0, fast=True, monkeypatch=monkeypatch)
+    assert fast_runs == STEPS
+    _same(fast, slow)
+
+
+def test_a_shard_of_delta_nets_alone_needs_no_rotary(tiny_model, monkeypatch):
+    """Layers 0-2 are gated delta nets only: no position's rotary is looked up, and the path still runs."""
+    from daemon.model.layers import DecoderLayers
+
+    shard = _shard(tiny_model("qwen3_5_moe"), 0, 3, dtype=torch.bfloat16)
+    monkeypatch.setattr(DecoderLayers, "_rotary_at", lambda *args: pytest.fail("a rotary lookup"))
+    assert not shard.fast_decoder().attends
+    slow, _ = _decode(shard, 0, fast=False, monkeypatch=monkeypatch)
+    fast, fast_runs = _decode(shard, 0, fast=True, monkeypatch=monkeypatch)
+    assert fast_runs == STEPS
+    _same(fast, slow)
+
+
+def test_a_step_on_the_path_builds_no_mask(tiny_model, monkeypatch):
+    """The prompt builds its masks; the path's one-position steps build none."""
+    from daemon.model.layers import DecoderLayers
+
+    shard = ModelShard(tiny_model("qwen3_5_moe"), 0, 4, sessions=SessionCacheStore())
+    built = []
+    real_masks = DecoderLayers._masks
+    monkeypatch.setattr(DecoderLayers, "_masks", lambda self, *a, **k: built.append(1) or real_masks(self, *a, **k))
+    _, runs = _decode(shard, 0, fast=True, monkeypatch=monkeypatch)
+    assert runs == STEPS and len(built) == 1
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "llama"])
+def test_other_layers_are_not_bound(tiny_model, arch):
+    """Qwen3-Next lays its delta net's input product out otherwise; Llama takes its own path (decode.FastDecoder)."""
+    shard = ModelShard(tiny_model(arch), 0, 4, sessions=SessionCacheStore())
+    assert not isinstance(shard.fast_decoder(), hybrid_decode.HybridDecoder)
+    assert hybrid_decode.HybridDecoder.bind(shard._layers, shard.config, 0, 4) is None
