@@ -29,7 +29,7 @@ from daemon.model.batching import (
     head_rows,
 )
 from daemon.model.decode import MAX_ROWS, REDUCED_DTYPES, FastDecoder, float_attention
-from daemon.model.hybrid_decode import HybridDecoder
+from daemon.model.qwen_decode import QwenDecoder
 from daemon.model.rotary import RotaryTable
 
 # Which mask each attention type gets, as the models' own forwards build them.
@@ -135,14 +135,14 @@ class DecoderLayers:
         return torch.cat([self.run_layers(hidden[:, i:i + 1], start_layer=start_layer, past_len=past_len + i,
                                           cache=cache) for i in range(q_len)], dim=1)
 
-    def fast_decoder(self) -> FastDecoder | HybridDecoder:
+    def fast_decoder(self) -> FastDecoder | QwenDecoder:
         """The one-position path through these layers, bound on first use: Llama-family layers'
-        (:mod:`daemon.model.decode`), else Qwen3.5's hybrid ones' (:mod:`daemon.model.hybrid_decode`)."""
+        (:mod:`daemon.model.decode`), else Qwen3.5's hybrid ones' (:mod:`daemon.model.qwen_decode`)."""
         if self._fast is None:
             self._fast = FastDecoder(self._layers, self.config, self.layer_types, self.start, self.end,
                                      native_steps=self.native_steps)
             if not self._fast.fits(self.start):
-                self._fast = HybridDecoder.bind(self._layers, self.config, self.start, self.end,
+                self._fast = QwenDecoder.bind(self._layers, self.config, self.layer_types, self.start, self.end,
                                                 native_steps=self.native_steps) or self._fast
         return self._fast
 

@@ -1,10 +1,11 @@
-"""Qwen3.5's one-position path (``daemon.model.hybrid_decode``) computes bit for bit what its layers' own forward does.
+"""The Qwen one-position path (``daemon.model.qwen_decode``) computes bit for bit what the layers' own forward does.
 
-Each case prefills a shard of the tiny Qwen3.5 (dense or MoE: three gated delta net layers, then a gated attention
-layer with rotary on a quarter of each head), then decodes with the path on and with it off, and holds every step's
-hidden states, logits and the states left in the cache to be identical: float32 and bfloat16, a whole model and a
-shard of its later layers, with and without the plans a node makes (native delta-net steps, planned products and
-experts, float32 attention for bfloat16 queries), with quantized weights.
+Each case prefills a shard of a tiny model, then decodes with the path on and with it off, and holds every step's
+hidden states, logits and the states left in the cache to be identical. The models: Qwen3.5, dense and MoE (three
+gated delta net layers, then a gated attention layer with rotary on a quarter of each head, a shared expert);
+Qwen3-MoE (query and key norms, MoE on every second layer); Qwen3's first layer (the next slides a window). In
+float32 and bfloat16, a whole model and a shard of its later layers, with and without the plans a node makes
+(native delta-net steps, planned products and experts, float32 attention for bfloat16 queries), quantized weights.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from daemon.kvstore import SessionCacheStore
-from daemon.model import hybrid_decode
+from daemon.model import qwen_decode
 from daemon.model.shard import ModelShard
 
 PROMPT = [5, 17, 300, 4021, 77, 912, 13, 2048, 600]
@@ -24,16 +25,16 @@ def _decode(shard: ModelShard, start_layer: int, *, fast: bool, monkeypatch) -> 
     """Hidden states (and the tail's logits) after each of ``STEPS`` decode steps of random inputs, then every
     tensor the cache holds; and how many steps took the path."""
     runs = []
-    real_run = hybrid_decode.HybridDecoder.run
+    real_run = qwen_decode.QwenDecoder.run
 
     def counted(self, *args, **kwargs):
         runs.append(1)
         return real_run(self, *args, **kwargs)
 
     with monkeypatch.context() as m:
-        m.setattr(hybrid_decode.HybridDecoder, "run", counted)
+        m.setattr(qwen_decode.QwenDecoder, "run", counted)
         if not fast:
-            m.setattr(hybrid_decode.HybridDecoder, "fits", lambda self, start: False)
+            m.setattr(qwen_decode.QwenDecoder, "fits", lambda self, start: False)
         generator = torch.Generator().manual_seed(0)
         width = shard.config.hidden_size
         cache = shard.new_cache()
@@ -54,13 +55,13 @@ def _decode(shard: ModelShard, start_layer: int, *, fast: bool, monkeypatch) -> 
 
 
 def _shard(folder, start: int, end: int, **kwargs) -> ModelShard:
-    """A shard whose RMSNorm weights are random: a tiny model is made with them all 0 (Qwen3.5 scales by
-    ``1 + weight``), which would hide how a norm rounds."""
+    """A shard whose RMSNorm weights are random: a tiny model is made with them all 1 (Qwen3) or 0 (Qwen3.5, which
+    scales by ``1 + weight``), which would hide how a norm rounds."""
     shard = ModelShard(folder, start, end, head=start == 0, sessions=SessionCacheStore(), **kwargs)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for module in shard.model.modules():
-            if type(module).__name__ in hybrid_decode._NORM_CLASSES:
+            if type(module).__name__ in qwen_decode._NORM_CLASSES | qwen_decode._OFFSET_NORM_CLASSES:
                 module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
     shard.forget_fast_decoder()  # bound at load (with 1 + weight made once): bound again to the new weights
     return shard
@@ -74,22 +75,24 @@ def _same(fast: list[torch.Tensor], slow: list[torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("planned", [False, True], ids=["own", "planned"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("arch, start", [("qwen3_5_moe", 0), ("qwen3_5_moe", 2), ("qwen3_5", 0)])
-def test_the_path_is_bitwise_the_layers_own_forward(tiny_model, monkeypatch, arch, start, dtype, planned):
-    shard = _shard(tiny_model(arch), start, 4, dtype=dtype)
+@pytest.mark.parametrize("arch, start, end", [("qwen3_5_moe", 0, 4), ("qwen3_5_moe", 2, 4), ("qwen3_5", 0, 4),
+                                             ("qwen3_moe", 0, 4), ("qwen3_moe", 1, 4), ("qwen3", 0, 1)])
+def test_the_path_is_bitwise_the_layers_own_forward(tiny_model, monkeypatch, arch, start, end, dtype, planned):
+    shard = _shard(tiny_model(arch), start, end, dtype=dtype)
     if planned:
         shard.plan_kernels(max_rows=1)
-    assert isinstance(shard.fast_decoder(), hybrid_decode.HybridDecoder)
+    assert isinstance(shard.fast_decoder(), qwen_decode.QwenDecoder)
     slow, slow_runs = _decode(shard, start, fast=False, monkeypatch=monkeypatch)
     fast, fast_runs = _decode(shard, start, fast=True, monkeypatch=monkeypatch)
     assert (slow_runs, fast_runs) == (0, STEPS)
     _same(fast, slow)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_quantized_layers_and_experts_take_the_path_bitwise(tiny_model, monkeypatch, quantize):
+def test_quantized_layers_and_experts_take_the_path_bitwise(tiny_model, monkeypatch, quantize, arch):
     """Quantized projections and 4-bit expert stacks run through their own products."""
-    shard = _shard(tiny_model("qwen3_5_moe"), 0, 4, dtype=torch.bfloat16, quantize=quantize)
+    shard = _shard(tiny_model(arch), 0, 4, dtype=torch.bfloat16, quantize=quantize)
     slow, _ = _decode(shard, 0, fast=False, monkeypatch=monkeypatch)
     fast, fast_runs = _decode(shard, 0, fast=True, monkeypatch=monkeypatch)
     assert fast_runs == STEPS
@@ -121,9 +124,10 @@ def test_a_step_on_the_path_builds_no_mask(tiny_model, monkeypatch):
     assert runs == STEPS and len(built) == 1
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "llama", "qwen3"])
 def test_other_layers_are_not_bound(tiny_model, arch):
-    """Qwen3-Next lays its delta net's input product out otherwise; Llama takes its own path (decode.FastDecoder)."""
+    """Qwen3-Next lays its delta net's input product out otherwise; Llama takes its own path (decode.FastDecoder);
+    the tiny Qwen3's second layer slides a window, which needs its mask."""
     shard = ModelShard(tiny_model(arch), 0, 4, sessions=SessionCacheStore())
-    assert not isinstance(shard.fast_decoder(), hybrid_decode.HybridDecoder)
-    assert hybrid_decode.HybridDecoder.bind(shard._layers, shard.config, 0, 4) is None
+    assert not isinstance(shard.fast_decoder(), qwen_decode.QwenDecoder)
+    assert qwen_decode.QwenDecoder.bind(shard._layers, shard.config, shard.layer_types, 0, 4) is None
