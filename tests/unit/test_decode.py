@@ -13,37 +13,14 @@ import torch
 from daemon.kvstore import SessionCacheStore
 from daemon.model import decode, native
 from daemon.model.shard import ModelShard
+from tests.support.decode_steps import decode_steps
 
-PROMPT = [5, 17, 300, 4021, 77, 912, 13, 2048, 600]
 STEPS = 8
 
 
 def _decode(shard: ModelShard, start_layer: int, *, fast: bool, monkeypatch) -> tuple[list[torch.Tensor], int]:
-    """Hidden states after each of ``STEPS`` greedy decode steps, and how many steps took the fast path."""
-    runs = []
-    real_run = decode.FastDecoder.run
-
-    def counted(self, *args, **kwargs):
-        runs.append(1)
-        return real_run(self, *args, **kwargs)
-
-    with monkeypatch.context() as m:
-        m.setattr(decode.FastDecoder, "run", counted)
-        if not fast:
-            m.setattr(decode.FastDecoder, "fits", lambda self, start: False)
-        generator = torch.Generator().manual_seed(0)
-        width = shard.config.hidden_size
-        cache = shard.new_cache()
-        hidden = torch.randn(1, len(PROMPT), width, generator=generator).to(shard.dtype)
-        shard.run_layers(hidden, start_layer=start_layer, past_len=0, cache=cache)
-        outs = []
-        for step in range(STEPS):
-            hidden = torch.randn(1, 1, width, generator=generator).to(shard.dtype)
-            out = shard.run_layers(hidden, start_layer=start_layer, past_len=len(PROMPT) + step, cache=cache)
-            outs.append(out.clone())
-            if shard.is_tail:
-                outs.append(shard.logits_last(out))
-    return outs, len(runs)
+    """Hidden states after each of ``STEPS`` decode steps (and the tail's logits), and how many took the fast path."""
+    return decode_steps(shard, start_layer, path=decode.FastDecoder, fast=fast, monkeypatch=monkeypatch, steps=STEPS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -16,42 +16,14 @@ import torch
 from daemon.kvstore import SessionCacheStore
 from daemon.model import qwen_decode
 from daemon.model.shard import ModelShard
+from tests.support.decode_steps import decode_steps
 
-PROMPT = [5, 17, 300, 4021, 77, 912, 13, 2048, 600]
 STEPS = 6
 
 
 def _decode(shard: ModelShard, start_layer: int, *, fast: bool, monkeypatch) -> tuple[list[torch.Tensor], int]:
-    """Hidden states (and the tail's logits) after each of ``STEPS`` decode steps of random inputs, then every
-    tensor the cache holds; and how many steps took the path."""
-    runs = []
-    real_run = qwen_decode.QwenDecoder.run
-
-    def counted(self, *args, **kwargs):
-        runs.append(1)
-        return real_run(self, *args, **kwargs)
-
-    with monkeypatch.context() as m:
-        m.setattr(qwen_decode.QwenDecoder, "run", counted)
-        if not fast:
-            m.setattr(qwen_decode.QwenDecoder, "fits", lambda self, start: False)
-        generator = torch.Generator().manual_seed(0)
-        width = shard.config.hidden_size
-        cache = shard.new_cache()
-        hidden = torch.randn(1, len(PROMPT), width, generator=generator).to(shard.dtype)
-        shard.run_layers(hidden, start_layer=start_layer, past_len=0, cache=cache)
-        outs = []
-        for step in range(STEPS):
-            hidden = torch.randn(1, 1, width, generator=generator).to(shard.dtype)
-            out = shard.run_layers(hidden, start_layer=start_layer, past_len=len(PROMPT) + step, cache=cache)
-            outs.append(out.clone())
-            if shard.is_tail:
-                outs.append(shard.logits_last(out))
-        for layer in cache.layers[start_layer:]:  # what each layer holds: keys and values, or its delta net's states
-            held = [getattr(layer, "keys", None), getattr(layer, "values", None),
-                    *getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
-            outs.extend(t for t in held if t is not None)
-    return outs, len(runs)
+    return decode_steps(shard, start_layer, path=qwen_decode.QwenDecoder, fast=fast, monkeypatch=monkeypatch,
+                        steps=STEPS, held=True)
 
 
 def _shard(folder, start: int, end: int, **kwargs) -> ModelShard:
