@@ -87,8 +87,9 @@ class DecoderLayers:
         if q_len == 1:
             fast = self.fast_decoder()
             if fast.fits(start_layer) and fast.cache_fits(cache, start_layer, past_len):
-                # SDPA full-attention layers (the only ones it binds): one position attends to every one before
-                # it and to itself, for which the mask builders answer None, so no mask is built
+                # SDPA full-attention layers without a window (and the Qwen path's gated delta nets, whose states
+                # the cache holds): one position attends to every one before it and to itself, for which the mask
+                # builders answer None, so no mask is built
                 rotary = self._rotary_at(hidden, past_len) if fast.attends else None
                 return fast.run(hidden, rotary, cache, start_layer)
         position_ids = torch.arange(past_len, past_len + q_len, device=hidden.device).unsqueeze(0)  # [1, T]
@@ -137,13 +138,14 @@ class DecoderLayers:
 
     def fast_decoder(self) -> FastDecoder | QwenDecoder:
         """The one-position path through these layers, bound on first use: Llama-family layers'
-        (:mod:`daemon.model.decode`), else Qwen3.5's hybrid ones' (:mod:`daemon.model.qwen_decode`)."""
+        (:mod:`daemon.model.decode`), else Qwen3, Qwen3-MoE and Qwen3.5 layers' (:mod:`daemon.model.qwen_decode`);
+        one that fits no start layer where neither binds them all."""
         if self._fast is None:
             self._fast = FastDecoder(self._layers, self.config, self.layer_types, self.start, self.end,
                                      native_steps=self.native_steps)
             if not self._fast.fits(self.start):
                 self._fast = QwenDecoder.bind(self._layers, self.config, self.layer_types, self.start, self.end,
-                                                native_steps=self.native_steps) or self._fast
+                                              native_steps=self.native_steps) or self._fast
         return self._fast
 
     def forget_fast_decoder(self) -> None:

@@ -152,9 +152,10 @@ def _bind_mlp(mlp: nn.Module) -> _Mlp | _Moe | None:
 
 def _bind_attention(attn: nn.Module, config) -> _Attention | None:
     name = type(attn).__name__
+    if name not in _ATTENTION_CLASSES | _GATED_ATTENTION_CLASSES:
+        return None
     q_norm, k_norm = _norm(attn.q_norm), _norm(attn.k_norm)
-    if (name not in _ATTENTION_CLASSES | _GATED_ATTENTION_CLASSES or q_norm is None or k_norm is None
-            or getattr(attn, "sliding_window", None) is not None or attn.head_dim > 256):
+    if q_norm is None or k_norm is None or getattr(attn, "sliding_window", None) is not None or attn.head_dim > 256:
         return None  # a window needs its mask; beyond 256, transformers' SDPA call repeats keys and values
     return _Attention(q=_projection(attn.q_proj), k=_projection(attn.k_proj), v=_projection(attn.v_proj),
                       o=_projection(attn.o_proj), q_norm=q_norm, k_norm=k_norm,
