@@ -207,6 +207,17 @@ class FastDecoder:
             return None
         return self._native.run(hidden, position_embeddings, cache.layers, start_layer, self.end)
 
+    def run_batch(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                  caches: Sequence, start_layer: int) -> torch.Tensor | None:
+        """One new position of each of several sessions (``hidden [1, B, hidden]``, row ``i`` continuing
+        ``caches[i]``) as native steps, or None where they cannot run natively (the caller then runs the batch
+        through the layers' own forward)."""
+        if (self._native is None or hidden.dtype != torch.float32 or not self.fits(start_layer)
+                or not all(self.cache_fits(cache, start_layer, cache.layers[start_layer].get_seq_length())
+                           for cache in caches)):
+            return None
+        return self._native.run_batch(hidden, position_embeddings, caches, start_layer, self.end)
+
     def cache_fits(self, cache, start_layer: int, past_len: int) -> bool:
         """Whether ``cache`` (None: stateless, from position 0) keeps every hosted layer in a :class:`GrowingLayer`
         holding exactly the ``past_len`` positions before this one (layers that ignored the cache filled none)."""
@@ -332,6 +343,47 @@ class NativeSteps:
         for i, (keys, values) in zip(range(start_layer, end), rooms):
             lib.llama_layer(ctypes.byref(self._layers[i]), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                             keys.data_ptr(), values.data_ptr(), keys.shape[-2], position, rows, work_ptr)
+        return out.view(1, rows, hidden_size)
+
+
+    def run_batch(self, hidden: torch.Tensor, position_embeddings, caches: Sequence, start_layer: int,
+                  end: int) -> torch.Tensor | None:
+        """One new position of each of B sessions through layers ``[start_layer, end)``: row ``i`` of ``hidden
+        [1, B, hidden]`` continues the session whose cache is ``caches[i]`` (its rotary ``(cos, sin)`` row ``i`` of
+        ``[1, B, head_dim]``), its key and value written there; None (nothing done) where a session's layer holds
+        nothing to grow from. Each product reads a weight once for the batch, each row attends to its own session,
+        and each row's outputs are the ones its session's single step gives."""
+        rows = hidden.shape[1]
+        if rows > MAX_ROWS:
+            return None
+        reserved: list[object] = []
+        rooms: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        for i in range(start_layer, end):
+            layer_rooms = []
+            for cache in caches:
+                room = cache.layers[i].reserve(1)
+                if room is None or not all(b.is_contiguous() and b.dtype == torch.float32 for b in room):
+                    for held in reserved + ([cache.layers[i]] if room is not None else []):
+                        held.crop(-1)
+                    return None
+                reserved.append(cache.layers[i])
+                layer_rooms.append(room)
+            rooms.append(layer_rooms)
+        cos, sin = (t.reshape(-1).contiguous() for t in position_embeddings)
+        positions = [cache.layers[start_layer].get_seq_length() - 1 for cache in caches]  # each row's own
+        hidden_size, heads = self._sizes[:2]
+        work = rows * self._row_work + heads * (max(positions) + 1)
+        if self._work.numel() < work:
+            self._work = torch.empty(work + 1024 * heads)
+        out = hidden.reshape(-1).clone()  # the layers write into it, layer after layer
+        lib, work_ptr = self._lib, self._work.data_ptr()
+        pos = (ctypes.c_long * rows)(*positions)
+        for i, layer_rooms in zip(range(start_layer, end), rooms):
+            keys = (ctypes.c_void_p * rows)(*(room[0].data_ptr() for room in layer_rooms))
+            values = (ctypes.c_void_p * rows)(*(room[1].data_ptr() for room in layer_rooms))
+            capacity = (ctypes.c_long * rows)(*(room[0].shape[-2] for room in layer_rooms))
+            lib.llama_layer_batch(ctypes.byref(self._layers[i]), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                  keys, values, capacity, pos, rows, work_ptr)
         return out.view(1, rows, hidden_size)
 
 

@@ -783,17 +783,22 @@ static void rotate(float *x, const float *cos, const float *sin, long d) {
     }
 }
 
-/* `rows` new positions pos..pos+rows-1 (at most MAX_ROWS) of one sequence: `hidden` [rows, L->hidden] in place,
- * `cos`/`sin` [rows, head_dim]; `keys`/`values` [kv_heads, capacity, head_dim]; each position attends to the
- * positions up to its own. `work` holds rows * (hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * inter
- * + meshnet_q8_floats(max(hidden, inter))) + heads * (pos + rows) floats */
-void meshnet_llama_layer(const struct layer *L, float *hidden, const float *cos, const float *sin, float *keys,
-                         float *values, long capacity, long pos, long rows, float *work) {
+/* `rows` new positions (at most MAX_ROWS), row m at position pos[m] of the sequence whose cache is keys[m] and
+ * values[m] ([kv_heads, capacity[m], head_dim]), which holds its positions before pos[m]: `hidden` [rows, L->hidden]
+ * in place, `cos`/`sin` [rows, head_dim]. Each row's key and value are written at pos[m] first, then each row
+ * attends to the positions up to its own in its own cache: rows of one sequence (a verify step's) see the rows
+ * before them. `work` holds rows * (hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * inter
+ * + meshnet_q8_floats(max(hidden, inter))) + heads * (max(pos) + 1) floats. Every product reads a weight once for all
+ * the rows, and each row's outputs are the ones it would have alone. */
+static void llama_rows(const struct layer *L, float *hidden, const float *cos, const float *sin, float *const *keys,
+                       float *const *values, const long *capacity, const long *pos, long rows, float *work) {
     const long H = L->hidden, D = L->head_dim, heads = L->heads, kvh = L->kv_heads, I = L->inter, T = rows;
     float *x = work, *q = x + T * H, *k = q + T * heads * D, *v = k + T * kvh * D, *att = v + T * kvh * D;
     float *g = att + T * heads * D, *u = g + T * I, *q8 = u + T * I, *scores = q8 + T * Q8_FLOATS(H > I ? H : I);
-    const long most = pos + T, group = heads / kvh;
+    const long group = heads / kvh;
+    long most = 0;
     if (T < 1 || T > MAX_ROWS) return;
+    for (long m = 0; m < T; m++) most = pos[m] + 1 > most ? pos[m] + 1 : most;
 
     for (long m = 0; m < T; m++) rms_norm(hidden + m * H, L->norm_in, L->eps_in, x + m * H, H);
     const struct matrix *qkv[3] = {&L->q, &L->k, &L->v};
@@ -804,18 +809,18 @@ void meshnet_llama_layer(const struct layer *L, float *hidden, const float *cos,
         for (long h = 0; h < heads; h++) rotate(q + (m * heads + h) * D, c, s, D);
         for (long h = 0; h < kvh; h++) {
             rotate(k + (m * kvh + h) * D, c, s, D);
-            memcpy(keys + (h * capacity + pos + m) * D, k + (m * kvh + h) * D, D * sizeof(float));
-            memcpy(values + (h * capacity + pos + m) * D, v + (m * kvh + h) * D, D * sizeof(float));
+            memcpy(keys[m] + (h * capacity[m] + pos[m]) * D, k + (m * kvh + h) * D, D * sizeof(float));
+            memcpy(values[m] + (h * capacity[m] + pos[m]) * D, v + (m * kvh + h) * D, D * sizeof(float));
         }
     }
 #pragma omp parallel for schedule(static)
     for (long h = 0; h < heads; h++) {
-        const float *K = keys + (h / group) * capacity * D, *V = values + (h / group) * capacity * D;
         float *s = scores + h * most;
         for (long m = 0; m < T; m++) {
+            const float *K = keys[m] + (h / group) * capacity[m] * D, *V = values[m] + (h / group) * capacity[m] * D;
             const float *qh = q + (m * heads + h) * D;
             float *out = att + (m * heads + h) * D, top = -INFINITY, sum = 0.f;
-            const long n = pos + m + 1;
+            const long n = pos[m] + 1;
             for (long t = 0; t < n; t++) {
                 s[t] = dot_f32(K + t * D, qh, D) * L->scaling;
                 if (s[t] > top) top = s[t];
@@ -842,6 +847,25 @@ void meshnet_llama_layer(const struct layer *L, float *hidden, const float *cos,
     float *down_out[1] = {x};
     products(down, down_out, 1, g, T, q8);
     for (long i = 0; i < T * H; i++) hidden[i] += x[i];
+}
+
+/* `rows` new positions pos..pos+rows-1 of one sequence (a decode step, or a verify step's rows), `keys`/`values`
+ * [kv_heads, capacity, head_dim]; `work` as llama_rows's with heads * (pos + rows) for the scores */
+void meshnet_llama_layer(const struct layer *L, float *hidden, const float *cos, const float *sin, float *keys,
+                         float *values, long capacity, long pos, long rows, float *work) {
+    float *k[MAX_ROWS], *v[MAX_ROWS];
+    long c[MAX_ROWS], p[MAX_ROWS];
+    if (rows < 1 || rows > MAX_ROWS) return;
+    for (long m = 0; m < rows; m++) k[m] = keys, v[m] = values, c[m] = capacity, p[m] = pos + m;
+    llama_rows(L, hidden, cos, sin, k, v, c, p, rows, work);
+}
+
+/* one new position of each of `rows` sessions (a batch of decode steps): row m's cache keys[m]/values[m]
+ * [kv_heads, capacity[m], head_dim] holds its pos[m] positions before it; `work` as llama_rows's */
+void meshnet_llama_layer_batch(const struct layer *L, float *hidden, const float *cos, const float *sin,
+                               float *const *keys, float *const *values, const long *capacity, const long *pos,
+                               long rows, float *work) {
+    llama_rows(L, hidden, cos, sin, keys, values, capacity, pos, rows, work);
 }
 
 /* ---- sleeping with the OpenMP team between steps (daemon/model/worker.py) -------------------------------------

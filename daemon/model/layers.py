@@ -207,6 +207,10 @@ class DecoderLayers:
         hosted = range(start_layer, self.end)
         types = self.layer_types
         position_embeddings = self._rotary(hidden, position_ids, {types[i] for i in hosted})
+        if self.native_steps and "full_attention" in position_embeddings:  # Llama-family layers in one call each
+            out = self.fast_decoder().run_batch(hidden, position_embeddings["full_attention"], caches, start_layer)
+            if out is not None:
+                return out
         batch = SessionBatch(caches)
         layers = self._layers
         shared_kv = {"shared_kv_states": {}} if self._layers_share_kv else {}  # as in run_layers (Gemma 4)

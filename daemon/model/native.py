@@ -86,6 +86,9 @@ class Library:
         self.llama_layer = lib.meshnet_llama_layer
         self.llama_layer.argtypes = [ctypes.POINTER(Layer), _P, _P, _P, _P, _P, _L, _L, _L, _P]
         self.llama_layer.restype = None
+        self.llama_layer_batch = lib.meshnet_llama_layer_batch
+        self.llama_layer_batch.argtypes = [ctypes.POINTER(Layer), _P, _P, _P, _P, _P, _P, _P, _L, _P]
+        self.llama_layer_batch.restype = None
         self.attend_bf16 = lib.meshnet_attend_bf16
         self.attend_bf16.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, ctypes.c_float, _P]
         self.attend_bf16.restype = None

@@ -225,6 +225,9 @@ class QwenDecoder:
     def run_rows(self, hidden, position_embeddings, cache, start_layer: int) -> None:
         return None  # a verify step's positions run one by one, each through run
 
+    def run_batch(self, hidden, position_embeddings, caches, start_layer: int) -> None:
+        return None  # a batch of sessions runs the layers' own forward (daemon.model.batching)
+
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None, cache,
             start_layer: int) -> torch.Tensor:

@@ -233,3 +233,39 @@ def test_other_steps_attend_as_sdpa_does():
     got, _ = decode.decode_attention_forward(module, q, k, v, None, scaling=0.25)
     want, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.25)
     assert got.shape == want.shape and (got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max()
+
+
+@needs_native
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_a_native_batch_of_sessions_is_each_sessions_own_native_steps_bitwise(tiny_model, monkeypatch, quantize):
+    """Sessions of different lengths decoding together: one native call a layer for the batch, each row attending to
+    its own session's cache, gives every session the hidden states and cache of its own single native steps, bit
+    for bit (the products read each weight once for the batch and sum each row as alone)."""
+    shard = ModelShard(tiny_model("llama"), 0, 4, sessions=SessionCacheStore(), quantize=quantize)
+    shard.native_steps = True
+    shard.forget_fast_decoder()
+    batched = []
+    real = decode.NativeSteps.run_batch
+    monkeypatch.setattr(decode.NativeSteps, "run_batch", lambda self, *a: batched.append(1) or real(self, *a))
+    generator = torch.Generator().manual_seed(5)
+    width = shard.config.hidden_size
+    lengths = (3, 9, 40)  # the last grows its buffers during the steps
+    prompts = [torch.randn(1, n, width, generator=generator) for n in lengths]
+    steps = [[torch.randn(1, 1, width, generator=generator) for _ in range(4)] for _ in lengths]
+    alone, together = [shard.new_cache() for _ in lengths], [shard.new_cache() for _ in lengths]
+    for caches in (alone, together):
+        for prompt, cache in zip(prompts, caches):
+            shard.run_layers(prompt, start_layer=0, past_len=0, cache=cache)
+    for step in range(4):
+        want = [shard.run_layers(steps[s][step], start_layer=0, past_len=n + step, cache=alone[s])
+                for s, n in enumerate(lengths)]
+        hidden = torch.cat([steps[s][step] for s in range(len(lengths))], dim=1)
+        positions = torch.tensor([[n + step for n in lengths]])
+        got = shard.run_batch(hidden, start_layer=0, position_ids=positions, caches=together)
+        for s in range(len(lengths)):
+            assert torch.equal(got[:, s:s + 1], want[s])
+    assert len(batched) == 4
+    for a, b in zip(alone, together):
+        for want_layer, got_layer in zip(a.layers[:4], b.layers[:4]):
+            assert got_layer.get_seq_length() == want_layer.get_seq_length()
+            assert torch.equal(got_layer.keys, want_layer.keys) and torch.equal(got_layer.values, want_layer.values)
