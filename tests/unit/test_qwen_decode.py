@@ -103,3 +103,17 @@ def test_other_layers_are_not_bound(tiny_model, arch):
     shard = ModelShard(tiny_model(arch), 0, 4, sessions=SessionCacheStore())
     assert not isinstance(shard.fast_decoder(), qwen_decode.QwenDecoder)
     assert qwen_decode.QwenDecoder.bind(shard._layers, shard.config, shard.layer_types, 0, 4) is None
+
+
+def test_a_stateless_step_takes_the_path_bitwise(tiny_model, monkeypatch):
+    """A one-position step with no cache (a stateless node's, from position 0): the delta nets start from no state,
+    the attention layer attends to the position itself."""
+    shard = _shard(tiny_model("qwen3_5_moe"), 0, 4, dtype=torch.bfloat16)
+    runs = []
+    real_run = qwen_decode.QwenDecoder.run
+    monkeypatch.setattr(qwen_decode.QwenDecoder, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
+    x = torch.randn(1, 1, shard.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    fast = shard.run_layers(x, start_layer=0, past_len=0, cache=None)
+    monkeypatch.setattr(qwen_decode.QwenDecoder, "fits", lambda self, start: False)
+    slow = shard.run_layers(x, start_layer=0, past_len=0, cache=None)
+    assert runs == [1] and torch.equal(fast, slow)
