@@ -323,28 +323,15 @@ class NativeSteps:
         caches; None (nothing done) where a layer's cache holds nothing yet to grow from. Each position's outputs
         are the ones it would have alone: a verify step's rows are its one-position steps' exactly."""
         rows = hidden.shape[1]
-        rooms = [cache_layers[i].reserve(rows) for i in range(start_layer, end)]
-        # the library writes each new key and value at [head, position] of a contiguous float32 buffer: anything
-        # else (a layer with nothing cached yet to grow from) goes the layers' own way, with nothing reserved
-        if not all(room is not None and all(b.is_contiguous() and b.dtype == torch.float32 for b in room)
-                   for room in rooms):
-            for i, room in zip(range(start_layer, end), rooms):
-                if room is not None:
-                    cache_layers[i].crop(-rows)
+        rooms = self._reserve([[cache_layers[i]] for i in range(start_layer, end)], rows)
+        if rooms is None:
             return None
-        cos, sin = (t.reshape(-1).contiguous() for t in position_embeddings)
-        hidden_size, heads = self._sizes[:2]
         position = cache_layers[start_layer].get_seq_length() - rows  # the first new position's index
-        work = rows * self._row_work + heads * (position + rows)
-        if self._work.numel() < work:
-            self._work = torch.empty(work + 1024 * heads)
-        out = hidden.reshape(-1).clone()  # the layers write into it, layer after layer
-        lib, work_ptr = self._lib, self._work.data_ptr()
-        for i, (keys, values) in zip(range(start_layer, end), rooms):
-            lib.llama_layer(ctypes.byref(self._layers[i]), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                            keys.data_ptr(), values.data_ptr(), keys.shape[-2], position, rows, work_ptr)
-        return out.view(1, rows, hidden_size)
-
+        out, (cos, sin), work_ptr = self._prepare(hidden, position_embeddings, position + rows)
+        for i, [(keys, values)] in zip(range(start_layer, end), rooms):
+            self._lib.llama_layer(ctypes.byref(self._layers[i]), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                  keys.data_ptr(), values.data_ptr(), keys.shape[-2], position, rows, work_ptr)
+        return out.view(1, rows, self._sizes[0])
 
     def run_batch(self, hidden: torch.Tensor, position_embeddings, caches: Sequence, start_layer: int,
                   end: int) -> torch.Tensor | None:
@@ -356,35 +343,52 @@ class NativeSteps:
         rows = hidden.shape[1]
         if rows > MAX_ROWS:
             return None
-        reserved: list[object] = []
-        rooms: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        for i in range(start_layer, end):
-            layer_rooms = []
-            for cache in caches:
-                room = cache.layers[i].reserve(1)
-                if room is None or not all(b.is_contiguous() and b.dtype == torch.float32 for b in room):
-                    for held in reserved + ([cache.layers[i]] if room is not None else []):
-                        held.crop(-1)
-                    return None
-                reserved.append(cache.layers[i])
-                layer_rooms.append(room)
-            rooms.append(layer_rooms)
-        cos, sin = (t.reshape(-1).contiguous() for t in position_embeddings)
+        rooms = self._reserve([[cache.layers[i] for cache in caches] for i in range(start_layer, end)], 1)
+        if rooms is None:
+            return None
         positions = [cache.layers[start_layer].get_seq_length() - 1 for cache in caches]  # each row's own
-        hidden_size, heads = self._sizes[:2]
-        work = rows * self._row_work + heads * (max(positions) + 1)
+        out, (cos, sin), work_ptr = self._prepare(hidden, position_embeddings, max(positions) + 1)
+        pos = (ctypes.c_long * rows)(*positions)
+        pointers = ctypes.c_void_p * rows
+        for i, layer_rooms in zip(range(start_layer, end), rooms):
+            keys = pointers(*(room[0].data_ptr() for room in layer_rooms))
+            values = pointers(*(room[1].data_ptr() for room in layer_rooms))
+            capacity = (ctypes.c_long * rows)(*(room[0].shape[-2] for room in layer_rooms))
+            self._lib.llama_layer_batch(ctypes.byref(self._layers[i]), out.data_ptr(), cos.data_ptr(),
+                                        sin.data_ptr(), keys, values, capacity, pos, rows, work_ptr)
+        return out.view(1, rows, self._sizes[0])
+
+    @staticmethod
+    def _reserve(layers: list[list], rows: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """Room for ``rows`` new positions in every cache layer of ``layers`` (per model layer, its sessions' cache
+        layers): their key and value buffers, where the library writes each new key and value at [head, position]
+        of a contiguous float32 buffer. Else None, with nothing left reserved: a layer with nothing cached yet to
+        grow from goes the layers' own way."""
+        reserved, rooms = [], []
+        for layer_caches in layers:
+            found = []
+            for layer in layer_caches:
+                room = layer.reserve(rows)
+                if room is not None:
+                    reserved.append(layer)
+                if room is None or not all(b.is_contiguous() and b.dtype == torch.float32 for b in room):
+                    for held in reserved:
+                        held.crop(-rows)
+                    return None
+                found.append(room)
+            rooms.append(found)
+        return rooms
+
+    def _prepare(self, hidden: torch.Tensor, position_embeddings, span: int):
+        """A step's output buffer (``hidden``'s copy: the layers write into it, layer after layer), its rotary
+        tables flat, and the work buffer's address, grown for ``hidden``'s rows attending up to ``span``
+        positions."""
+        heads = self._sizes[1]
+        work = hidden.shape[1] * self._row_work + heads * span
         if self._work.numel() < work:
             self._work = torch.empty(work + 1024 * heads)
-        out = hidden.reshape(-1).clone()  # the layers write into it, layer after layer
-        lib, work_ptr = self._lib, self._work.data_ptr()
-        pos = (ctypes.c_long * rows)(*positions)
-        for i, layer_rooms in zip(range(start_layer, end), rooms):
-            keys = (ctypes.c_void_p * rows)(*(room[0].data_ptr() for room in layer_rooms))
-            values = (ctypes.c_void_p * rows)(*(room[1].data_ptr() for room in layer_rooms))
-            capacity = (ctypes.c_long * rows)(*(room[0].shape[-2] for room in layer_rooms))
-            lib.llama_layer_batch(ctypes.byref(self._layers[i]), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                  keys, values, capacity, pos, rows, work_ptr)
-        return out.view(1, rows, hidden_size)
+        cos_sin = tuple(t.reshape(-1).contiguous() for t in position_embeddings)
+        return hidden.reshape(-1).clone(), cos_sin, self._work.data_ptr()
 
 
 def _native_matrix(module: nn.Module, keep: list[torch.Tensor]):
