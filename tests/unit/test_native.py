@@ -71,6 +71,39 @@ def test_an_output_does_not_depend_on_the_rows_computed_beside_it(dtype):
         assert torch.equal(together, alone)
 
 
+@needs_library
+@pytest.mark.parametrize("kind", ["float32", "int8", "int4"])
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(kind):
+    """A batch's rows (or a verify step's) go two at a time by four weight rows, their sums' chains side by side: each
+    row's outputs are still the ones it gets alone, bit for bit, with or without a bias, whole blocks or a last
+    partial one, an odd row out, a matrix's last few weight rows."""
+    torch.manual_seed(4)
+    for out_features, in_features in ((1536, 576), (30, 200), (7, 96), (9, 8200)):
+        if kind == "int4" and in_features % 32:
+            continue
+        product = _product(kind, torch.randn(out_features, in_features))
+        for rows in (2, 3, 8, 16):
+            x = torch.randn(rows, in_features)
+            for bias in (None, torch.randn(out_features)):
+                together = product(x, bias)
+                alone = torch.cat([product(x[m:m + 1], bias) for m in range(rows)])
+                assert torch.equal(together, alone), (out_features, in_features, rows)
+
+
+def _product(kind: str, weight: torch.Tensor):
+    """``(x, bias) -> x`` by ``weight`` as ``kind`` keeps it (``weight``'s shape only, for int8)."""
+    from daemon.model import int4
+
+    if kind == "int8":
+        q = torch.randint(-128, 128, weight.shape, dtype=torch.int8)
+        scale = torch.rand(weight.shape[0]).bfloat16()
+        return lambda x, bias: native.gemv_int8(x, q, scale, bias)
+    if kind == "int4":
+        packed, scale = int4.quantize(weight)
+        return lambda x, bias: native.gemv_q4(x, packed, scale, weight.shape[1], bias)
+    return lambda x, bias: native.gemv(x, weight, bias)
+
+
 def assert_int8_products_as_defined(dtype):
     """Rows by int8 weights (-128 included) give tests/support/q8.py's products: whole blocks of 64 inputs and a
     last partial one, each row the same alone as beside others; the quantized inputs really are quantized."""
