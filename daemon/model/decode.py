@@ -381,12 +381,12 @@ class NativeSteps:
 
     def _prepare(self, hidden: torch.Tensor, position_embeddings, span: int):
         """A step's output buffer (``hidden``'s copy: the layers write into it, layer after layer), its rotary
-        tables flat, and the work buffer's address, grown for ``hidden``'s rows attending up to ``span``
-        positions."""
-        heads = self._sizes[1]
-        work = hidden.shape[1] * self._row_work + heads * span
+        tables flat, and the work buffer's address, grown for ``hidden``'s rows each attending up to ``span``
+        positions (each row's heads their own scores)."""
+        rows, heads = hidden.shape[1], self._sizes[1]
+        work = rows * (self._row_work + heads * span)
         if self._work.numel() < work:
-            self._work = torch.empty(work + 1024 * heads)
+            self._work = torch.empty(work + rows * 1024 * heads)  # room to grow: reallocated every 1024 positions
         cos_sin = tuple(t.reshape(-1).contiguous() for t in position_embeddings)
         return hidden.reshape(-1).clone(), cos_sin, self._work.data_ptr()
 

@@ -913,12 +913,64 @@ static void rotate(float *x, const float *cos, const float *sin, long d) {
     }
 }
 
+/* A query's attention over a long cache is a dot product of head_dim values per position, and a sum of that many
+ * values per position weighted by their probability. dot_f32 reduces its 32 partial sums through memory, and the
+ * weighted sum kept in `out` (which may alias the values, to the compiler) was loaded and stored again at every
+ * position: on the 2-core Xeon those two were half of a batched step's attention. Below, the same sums in registers,
+ * bit for bit: the same partial sums reduced in the same pairs as reduce(), each output the same chain of fused
+ * multiply-adds in the same order. */
+static inline float key_dot(const float *restrict k, const float *restrict q, long d) {
+#if defined(__AVX512F__) && LANES == 32
+    if (d % LANES == 0) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (long i = 0; i < d; i += LANES) {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(k + i), _mm512_loadu_ps(q + i), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(k + i + 16), _mm512_loadu_ps(q + i + 16), a1);
+        }
+        const __m512 s16 = _mm512_add_ps(a0, a1);                                          /* lanes j + j + 16 */
+        const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm512_extractf32x8_ps(s16, 1));
+        const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+        const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))) + 0.f;  /* dot_f32's empty tail */
+    }
+#endif
+    return dot_f32(k, q, d);
+}
+
+/* out[j] = sum over t < n of (s[t] / sum) * v[t, j], j < d */
+static inline void weigh_values(const float *restrict v, const float *restrict s, float sum, long n, long d,
+                                float *restrict out) {
+#if defined(__AVX512F__)
+    if (d % 64 == 0) {
+        for (long c = 0; c < d; c += 64) {
+            __m512 o0 = _mm512_setzero_ps(), o1 = o0, o2 = o0, o3 = o0;
+            for (long t = 0; t < n; t++) {
+                const __m512 p = _mm512_set1_ps(s[t] / sum);
+                const float *vt = v + t * d + c;
+                o0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt), o0);
+                o1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 16), o1);
+                o2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 32), o2);
+                o3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 48), o3);
+            }
+            _mm512_storeu_ps(out + c, o0), _mm512_storeu_ps(out + c + 16, o1);
+            _mm512_storeu_ps(out + c + 32, o2), _mm512_storeu_ps(out + c + 48, o3);
+        }
+        return;
+    }
+#endif
+    for (long j = 0; j < d; j++) out[j] = 0.f;
+    for (long t = 0; t < n; t++) {
+        const float p = s[t] / sum, *vt = v + t * d;
+        for (long j = 0; j < d; j++) out[j] += p * vt[j];
+    }
+}
+
 /* `rows` new positions (at most MAX_ROWS), row m at position pos[m] of the sequence whose cache is keys[m] and
  * values[m] ([kv_heads, capacity[m], head_dim]), which holds its positions before pos[m]: `hidden` [rows, L->hidden]
  * in place, `cos`/`sin` [rows, head_dim]. Each row's key and value are written at pos[m] first, then each row
  * attends to the positions up to its own in its own cache: rows of one sequence (a verify step's) see the rows
  * before them. `work` holds rows * (hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + 2 * inter
- * + meshnet_q8_floats(max(hidden, inter))) + heads * (max(pos) + 1) floats. Every product reads a weight once for all
+ * + meshnet_q8_floats(max(hidden, inter))) + rows * heads * (max(pos) + 1) floats. Every product reads a weight once for all
  * the rows, and each row's outputs are the ones it would have alone. */
 static void llama_rows(const struct layer *L, float *hidden, const float *cos, const float *sin, float *const *keys,
                        float *const *values, const long *capacity, const long *pos, long rows, float *work) {
@@ -943,26 +995,22 @@ static void llama_rows(const struct layer *L, float *hidden, const float *cos, c
             memcpy(values[m] + (h * capacity[m] + pos[m]) * D, v + (m * kvh + h) * D, D * sizeof(float));
         }
     }
-#pragma omp parallel for schedule(static)
-    for (long h = 0; h < heads; h++) {
-        float *s = scores + h * most;
-        for (long m = 0; m < T; m++) {
+    /* each row's heads apart, every (row, head) its own scores: a batch's share out evenly among the threads */
+#pragma omp parallel for collapse(2) schedule(static)
+    for (long m = 0; m < T; m++)
+        for (long h = 0; h < heads; h++) {
+            float *s = scores + (m * heads + h) * most;
             const float *K = keys[m] + (h / group) * capacity[m] * D, *V = values[m] + (h / group) * capacity[m] * D;
             const float *qh = q + (m * heads + h) * D;
             float *out = att + (m * heads + h) * D, top = -INFINITY, sum = 0.f;
             const long n = pos[m] + 1;
             for (long t = 0; t < n; t++) {
-                s[t] = dot_f32(K + t * D, qh, D) * L->scaling;
+                s[t] = key_dot(K + t * D, qh, D) * L->scaling;
                 if (s[t] > top) top = s[t];
             }
             for (long t = 0; t < n; t++) sum += (s[t] = expf(s[t] - top));
-            for (long j = 0; j < D; j++) out[j] = 0.f;
-            for (long t = 0; t < n; t++) {
-                const float p = s[t] / sum, *vt = V + t * D;
-                for (long j = 0; j < D; j++) out[j] += p * vt[j];
-            }
+            weigh_values(V, s, sum, n, D, out);
         }
-    }
     const struct matrix *o[1] = {&L->o};
     float *o_out[1] = {x};
     products(o, o_out, 1, att, T, q8);
@@ -980,7 +1028,7 @@ static void llama_rows(const struct layer *L, float *hidden, const float *cos, c
 }
 
 /* `rows` new positions pos..pos+rows-1 of one sequence (a decode step, or a verify step's rows), `keys`/`values`
- * [kv_heads, capacity, head_dim]; `work` as llama_rows's with heads * (pos + rows) for the scores */
+ * [kv_heads, capacity, head_dim]; `work` as llama_rows's with rows * heads * (pos + rows) for the scores */
 void meshnet_llama_layer(const struct layer *L, float *hidden, const float *cos, const float *sin, float *keys,
                          float *values, long capacity, long pos, long rows, float *work) {
     float *k[MAX_ROWS], *v[MAX_ROWS];
