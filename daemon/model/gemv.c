@@ -103,16 +103,44 @@ static inline float reduce(float *acc) {
 /* float32 rows: each 128-byte step asks for its two cache lines 2 KiB ahead; on the 2-core Xeon the built-in
  * model's float32 node made 43.2-46.3 tok/s with it, 40.1-41.8 without (on a Zen 4 the hardware's prefetchers
  * alone had kept float32 rows at their best) */
+#if defined(__AVX512F__) && LANES == 32
+#define REGISTER_SUMS 1
+/* reduce() of the 32 partial sums held as two vectors (lanes 0-15, 16-31), in registers: the same pairs added */
+static inline float reduce_pair(__m512 a0, __m512 a1) {
+    const __m512 s16 = _mm512_add_ps(a0, a1);
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm512_extractf32x8_ps(s16, 1));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+#else
+#define REGISTER_SUMS 0
+#endif
+
 static inline float dot_f32(const float *restrict w, const float *restrict x, long n) {
-    float acc[LANES] = {0};
     long k = 0;
+#if REGISTER_SUMS
+    /* the loop below as the compiler vectorises it, with its partial sums reduced in registers rather than memory */
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (; k + LANES <= n; k += LANES) {
+        PREFETCH(W_F32, w + k), PREFETCH(W_F32, (const char *)(w + k) + 64);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+    }
+#else
+    float acc[LANES] = {0};
     for (; k + LANES <= n; k += LANES) {
         PREFETCH(W_F32, w + k), PREFETCH(W_F32, (const char *)(w + k) + 64);
         for (int j = 0; j < LANES; j++) acc[j] += w[k + j] * x[k + j];
     }
+#endif
     float tail = 0.f;
     for (; k < n; k++) tail += w[k] * x[k];
+#if REGISTER_SUMS
+    return reduce_pair(a0, a1) + tail;
+#else
     return reduce(acc) + tail;
+#endif
 }
 
 #define AS_IS(v) (v)
@@ -475,10 +503,9 @@ static inline void block(int kind, const void *w, const uint16_t *scale, long r0
 #define TILE 2
 
 static inline void tile_f32(const float *restrict w, long stride, const struct row *xs, long n, float *v) {
-    float acc[TILE][4][LANES] = {{{0}}};
     long k = 0;
-#if defined(__AVX512F__) && LANES == 32
-    /* dot_f32's 32 partial sums as two vectors each, kept in registers (the compiler kept the arrays in memory) */
+#if REGISTER_SUMS
+    /* dot_f32's partial sums, two vectors for each of the eight (the compiler kept arrays of them in memory) */
     __m512 a[TILE][4][2];
     for (int m = 0; m < TILE; m++)
         for (int r = 0; r < 4; r++) a[m][r][0] = a[m][r][1] = _mm512_setzero_ps();
@@ -497,8 +524,13 @@ static inline void tile_f32(const float *restrict w, long stride, const struct r
         }
     }
     for (int m = 0; m < TILE; m++)
-        for (int r = 0; r < 4; r++) _mm512_storeu_ps(acc[m][r], a[m][r][0]), _mm512_storeu_ps(acc[m][r] + 16, a[m][r][1]);
+        for (int r = 0; r < 4; r++) {
+            float tail = 0.f;
+            for (long t = k; t < n; t++) tail += w[r * stride + t] * xs[m].f[t];
+            v[m * 4 + r] = reduce_pair(a[m][r][0], a[m][r][1]) + tail;
+        }
 #else
+    float acc[TILE][4][LANES] = {{{0}}};
     for (; k + LANES <= n; k += LANES) {
         for (int r = 0; r < 4; r++)
             PREFETCH(W_F32, w + r * stride + k), PREFETCH(W_F32, (const char *)(w + r * stride + k) + 64);
@@ -506,13 +538,13 @@ static inline void tile_f32(const float *restrict w, long stride, const struct r
             for (int r = 0; r < 4; r++)
                 for (int j = 0; j < LANES; j++) acc[m][r][j] += w[r * stride + k + j] * xs[m].f[k + j];
     }
-#endif
     for (int m = 0; m < TILE; m++)
         for (int r = 0; r < 4; r++) {
             float tail = 0.f;
             for (long t = k; t < n; t++) tail += w[r * stride + t] * xs[m].f[t];
             v[m * 4 + r] = reduce(acc[m][r]) + tail;
         }
+#endif
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -914,29 +946,10 @@ static void rotate(float *x, const float *cos, const float *sin, long d) {
 }
 
 /* A query's attention over a long cache is a dot product of head_dim values per position, and a sum of that many
- * values per position weighted by their probability. dot_f32 reduces its 32 partial sums through memory, and the
- * weighted sum kept in `out` (which may alias the values, to the compiler) was loaded and stored again at every
- * position: on the 2-core Xeon those two were half of a batched step's attention. Below, the same sums in registers,
- * bit for bit: the same partial sums reduced in the same pairs as reduce(), each output the same chain of fused
- * multiply-adds in the same order. */
-static inline float key_dot(const float *restrict k, const float *restrict q, long d) {
-#if defined(__AVX512F__) && LANES == 32
-    if (d % LANES == 0) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        for (long i = 0; i < d; i += LANES) {
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(k + i), _mm512_loadu_ps(q + i), a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(k + i + 16), _mm512_loadu_ps(q + i + 16), a1);
-        }
-        const __m512 s16 = _mm512_add_ps(a0, a1);                                          /* lanes j + j + 16 */
-        const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm512_extractf32x8_ps(s16, 1));
-        const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-        const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))) + 0.f;  /* dot_f32's empty tail */
-    }
-#endif
-    return dot_f32(k, q, d);
-}
-
+ * values per position weighted by their probability. The weighted sum kept in `out` (which may alias the values, to
+ * the compiler) was loaded and stored again at every position: on the 2-core Xeon that, with dot_f32 reducing its
+ * partial sums through memory, was half of a batched step's attention. Below, the same sums in registers, bit for
+ * bit: each output the same chain of fused multiply-adds in the same order. */
 /* out[j] = sum over t < n of (s[t] / sum) * v[t, j], j < d */
 static inline void weigh_values(const float *restrict v, const float *restrict s, float sum, long n, long d,
                                 float *restrict out) {
@@ -1005,7 +1018,7 @@ static void llama_rows(const struct layer *L, float *hidden, const float *cos, c
             float *out = att + (m * heads + h) * D, top = -INFINITY, sum = 0.f;
             const long n = pos[m] + 1;
             for (long t = 0; t < n; t++) {
-                s[t] = key_dot(K + t * D, qh, D) * L->scaling;
+                s[t] = dot_f32(K + t * D, qh, D) * L->scaling;
                 if (s[t] > top) top = s[t];
             }
             for (long t = 0; t < n; t++) sum += (s[t] = expf(s[t] - top));
