@@ -100,15 +100,13 @@ static inline float reduce(float *acc) {
         }                                                                                              \
     }
 
-/* float32 rows: each 128-byte step asks for its two cache lines 2 KiB ahead; on the 2-core Xeon the built-in
- * model's float32 node made 43.2-46.3 tok/s with it, 40.1-41.8 without (on a Zen 4 the hardware's prefetchers
- * alone had kept float32 rows at their best) */
 #if defined(__AVX512F__) && LANES == 32
 #define REGISTER_SUMS 1
 /* reduce() of the 32 partial sums held as two vectors (lanes 0-15, 16-31), in registers: the same pairs added */
 static inline float reduce_pair(__m512 a0, __m512 a1) {
     const __m512 s16 = _mm512_add_ps(a0, a1);
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm512_extractf32x8_ps(s16, 1));
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16),  /* AVX-512F alone: no 32-bit extract */
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s16), 1)));
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
@@ -117,6 +115,9 @@ static inline float reduce_pair(__m512 a0, __m512 a1) {
 #define REGISTER_SUMS 0
 #endif
 
+/* float32 rows: each 128-byte step asks for its two cache lines 2 KiB ahead; on the 2-core Xeon the built-in
+ * model's float32 node made 43.2-46.3 tok/s with it, 40.1-41.8 without (on a Zen 4 the hardware's prefetchers
+ * alone had kept float32 rows at their best) */
 static inline float dot_f32(const float *restrict w, const float *restrict x, long n) {
     long k = 0;
 #if REGISTER_SUMS
@@ -945,12 +946,11 @@ static void rotate(float *x, const float *cos, const float *sin, long d) {
     }
 }
 
-/* A query's attention over a long cache is a dot product of head_dim values per position, and a sum of that many
- * values per position weighted by their probability. The weighted sum kept in `out` (which may alias the values, to
- * the compiler) was loaded and stored again at every position: on the 2-core Xeon that, with dot_f32 reducing its
- * partial sums through memory, was half of a batched step's attention. Below, the same sums in registers, bit for
- * bit: each output the same chain of fused multiply-adds in the same order. */
-/* out[j] = sum over t < n of (s[t] / sum) * v[t, j], j < d */
+/* out[j] = sum over t < n of (s[t] / sum) * v[t, j], j < d: a query's attention over its cache, after the scores.
+ * Kept in `out` (which may alias the values, to the compiler), the sums were loaded and stored again at every
+ * position: on the 2-core Xeon that, with dot_f32 then reducing its partial sums through memory, was half of a
+ * batched step's attention. Here 64 outputs at a time stay in registers, each the same chain of fused multiply-adds
+ * in the same order, bit for bit. */
 static inline void weigh_values(const float *restrict v, const float *restrict s, float sum, long n, long d,
                                 float *restrict out) {
 #if defined(__AVX512F__)
