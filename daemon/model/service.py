@@ -21,7 +21,7 @@ import torch
 from daemon import wire
 from daemon.api import MemoryInfo, Sampling, SessionInfo
 from daemon.errors import BadRequest, CacheMiss, NoRoom
-from daemon.host import host_cores, proc_status_bytes
+from daemon.host import host_cores, large_allocations_mapped, proc_status_bytes
 from daemon.kvstore import SessionCacheStore
 from daemon.model.cores import CoreShare
 from daemon.model.device import checkpoint_dtype, dtype_name, resolve_device, resolve_dtype
@@ -123,7 +123,8 @@ class ShardService:
 
         executor = torch_thread()
         try:  # loading runs torch too: on the thread every step will run on, see torch_thread
-            shard = executor.submit(load).result()
+            with large_allocations_mapped():  # its temporaries go back to the system as they are freed
+                shard = executor.submit(load).result()
         except BaseException:
             executor.shutdown(wait=False)
             raise
