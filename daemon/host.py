@@ -1,5 +1,5 @@
 """Facts about the machine this process runs on: the cores it may use and the CPU's name; handing the C
-heap's free memory back to it (and having large temporaries bypass the heap while weights load), and letting go
+heap's free memory back to it (and having large temporaries bypass the heap while kernels are timed), and letting go
 of pages read from files this process maps.
 
 Standard library only, and nothing of the daemon: the config, the model code and the bench all
@@ -52,10 +52,12 @@ def large_allocations_mapped(threshold: int = LOADING_MMAP_THRESHOLD) -> Iterato
     back to the system when it is freed; afterwards those below 32 MiB come from its heap again (where glibc's
     sliding threshold settles once a large block was freed, as loading frees many), and the heap is trimmed.
 
-    Loading and laying out weights frees hundreds of temporaries of 1-32 MiB (a quantizer's chunks, a plan's
-    samples and copies). Carved from the heap, freed ones stayed resident, holes the next did not fit: a 4-layer
-    Llama-8B-shaped node quantized to 4 bits peaked at 1286 MiB measuring its plans, 1129 MiB with them mapped
-    (its weights 1044 MiB). Nothing where the C library is not glibc."""
+    Timing a node's kernels frees hundreds of samples and copies of 1-32 MiB. Carved from the heap, freed ones
+    stayed resident, holes the next did not fit: a 4-layer Llama-8B-shaped node quantized to 4 bits peaked at
+    1286 MiB measuring its plans (1149 MiB reading them), 1137 MiB with them mapped (its weights 1044 MiB). Not
+    around the whole load: a quantizer's chunks, each of the same size, reuse their hole, and mapped anew each
+    would fault in fresh pages (the built-in model's 4-bit load took 2.6-2.8 s against 2.0-2.2). Nothing where the
+    C library is not glibc."""
     mallopt = getattr(LIBC, "mallopt", None) if LIBC is not None else None
     if mallopt is None or not mallopt(_M_MMAP_THRESHOLD, threshold):
         yield

@@ -113,9 +113,10 @@ class ShardService:
                 # timed on the threads the steps take when this node computes alone: one that shares the cores
                 # loads on its share among the local peers, then takes them all for a single stream's steps
                 torch.set_num_threads(host_cores() if share_cores else threads)
-                try:
-                    shard.plan_kernels(max_rows=max_batch if shard.batch_refusal is None else 1,
-                                       store=default_store(), progress=log.info)
+                try:  # timing kernels frees many samples and copies of 1-32 MiB: they leave the resident set at once
+                    with large_allocations_mapped():
+                        shard.plan_kernels(max_rows=max_batch if shard.batch_refusal is None else 1,
+                                           store=default_store(), progress=log.info)
                 finally:
                     torch.set_num_threads(threads)
                 log.debug("kernel plans took %.2f s", time.perf_counter() - started)
@@ -123,8 +124,7 @@ class ShardService:
 
         executor = torch_thread()
         try:  # loading runs torch too: on the thread every step will run on, see torch_thread
-            with large_allocations_mapped():  # its temporaries go back to the system as they are freed
-                shard = executor.submit(load).result()
+            shard = executor.submit(load).result()
         except BaseException:
             executor.shutdown(wait=False)
             raise
