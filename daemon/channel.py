@@ -18,6 +18,9 @@ A header block is ``Name: value`` lines, each ended by CRLF, in latin-1. One ste
 time. Only one-position decode steps travel this way (a prompt's long steps stay on ``POST /forward``); the node
 answers anything else with a 400 frame. The channel is plain TCP: a node reached over TLS is sent its steps on
 ``POST /forward``.
+
+The same frames, one after another, make the body of ``POST /forward/batch`` and its answer: several sessions'
+steps for one node in one request (:func:`requests_in`, :func:`replies_in`; :mod:`daemon.server.batch`).
 """
 
 from __future__ import annotations
@@ -85,6 +88,33 @@ def read_reply(sock: socket.socket) -> tuple[int, CIMultiDictProxy[str], bytearr
     _check(header_bytes, body_bytes)
     headers = parse_headers(_read(sock, header_bytes))
     return status, headers, _read(sock, body_bytes), REPLY.size + header_bytes + body_bytes
+
+
+def requests_in(data: bytes | bytearray) -> list[tuple[CIMultiDictProxy[str], bytearray]]:
+    """The request frames that make up ``data`` exactly, in order (a batch's body, ``POST /forward/batch``)."""
+    return [(headers, body) for _, headers, body, _ in _frames(data, REQUEST)]
+
+
+def replies_in(data: bytes | bytearray) -> list[tuple[int, CIMultiDictProxy[str], bytearray, int]]:
+    """The reply frames that make up ``data`` exactly, in order: status, headers, body and each frame's size."""
+    return _frames(data, REPLY)
+
+
+def _frames(data: bytes | bytearray, layout: struct.Struct) -> list[tuple[int, CIMultiDictProxy[str], bytearray, int]]:
+    """Frames laid out with ``layout`` one after another; :class:`ChannelClosed` where they do not fill ``data``."""
+    view, at, frames = memoryview(data), 0, []
+    while at < len(view):
+        if len(view) - at < layout.size:
+            raise ChannelClosed(f"{len(view) - at} bytes after the last whole frame")
+        *status, header_bytes, body_bytes = layout.unpack_from(view, at)
+        _check(header_bytes, body_bytes)
+        start, end = at + layout.size, at + layout.size + header_bytes + body_bytes
+        if end > len(view):
+            raise ChannelClosed(f"a frame of {end - at} bytes cut short at {len(view) - at}")
+        headers = parse_headers(bytes(view[start:start + header_bytes]))
+        frames.append((status[0] if status else 0, headers, bytearray(view[start + header_bytes:end]), end - at))
+        at = end
+    return frames
 
 
 def _check(header_bytes: int, body_bytes: int) -> None:

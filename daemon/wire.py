@@ -86,6 +86,8 @@ HISTORY = "X-Meshnet-History"
 DRAFT = "X-Meshnet-Draft"
 
 ACTIVATION_CONTENT_TYPE = "application/octet-stream"
+BATCH_PATH = "/forward/batch"  # several steps in one request: step frames (daemon.channel), see daemon.server.batch
+BATCH_CONTENT_TYPE = "application/vnd.meshnet.steps"
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 CACHE_MODES = ("prefill", "decode")
 PREFIX_MODES = ("fork", "take")

@@ -23,6 +23,7 @@ from daemon.api import GenerationStats, Sampling
 from daemon.errors import BadRequest, Draining, TooManyGenerations
 from daemon.mesh.channels import StepChannels
 from daemon.mesh.generation import GenerationLoop, GenerationRequest, TokenEvent
+from daemon.mesh.hop_batches import batch_hops_enabled
 from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.planner import RoutePlanner
 from daemon.mesh.prefix import PrefixIndex, Reuse
@@ -165,7 +166,10 @@ class Head:
         if channels is not None:  # a walk holds the torch thread: only while one generation could use it
             channels.allowed = lambda: self.active_generations <= 1
         self._hops = HopClient(transport, session, hidden_size=self.own.hidden_size,
-                               timeout=self.settings.hop_timeout_seconds, channels=channels)
+                               timeout=self.settings.hop_timeout_seconds, channels=channels,
+                               batches=batch_hops_enabled())
+        if self._hops.batches is not None:
+            self._hops.batches.wanted = lambda: self.active_generations > 1
 
     def stop_generations(self) -> None:
         """End every running generation at its next step (the node's shutdown grace is over)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -21,6 +21,7 @@ from daemon.api import Hop
 from daemon.errors import BadRequest, CacheMiss, HopFailed, UpstreamError
 from daemon.logs import REQUEST_ID_HEADER, request_id
 from daemon.mesh.channels import StepChannels
+from daemon.mesh.hop_batches import HopBatches
 from daemon.mesh.transport import HopResponse, HopTransport, TransportError
 
 
@@ -49,16 +50,20 @@ class HopClient:
     prefill is not mistaken for a dead node. ``session`` (aiohttp) carries the
     rare requests off the hot path: releasing a session on a node left behind.
     ``channels``: the head's step channels, along which its torch thread walks a decode step
-    (:mod:`daemon.mesh.channels`); their answers become replies here too (:meth:`reply_from`).
+    (:mod:`daemon.mesh.channels`); their answers become replies here too (:meth:`reply_from`). With ``batches``,
+    the one-position decode steps for a node that are ready in the same turn of the loop leave together
+    (:mod:`daemon.mesh.hop_batches`).
     """
 
     def __init__(self, transport: HopTransport, session: aiohttp.ClientSession, *, hidden_size: int,
-                 timeout: float = 10.0, channels: StepChannels | None = None) -> None:
+                 timeout: float = 10.0, channels: StepChannels | None = None, batches: bool = True) -> None:
         self._transport = transport
         self._session = session
         self._hidden_size = hidden_size
         self.timeout = timeout
         self.channels = channels  # decode steps after the head's own hop, where open (daemon.mesh.channels)
+        # decode steps for one node ready in the same turn of the loop go in one request (daemon.mesh.hop_batches)
+        self.batches = HopBatches(self._post) if batches else None
 
     async def step(self, hop: Hop, activation: wire.Activation, headers: dict[str, str],
                    history: wire.History | None = None) -> HopReply:
@@ -66,15 +71,23 @@ class HopClient:
         headers = headers | {REQUEST_ID_HEADER: request_id.get()}  # one id across every node of a generation
         seconds = self.timeout * max(1.0, activation.shape[1] / 32)
         body = activation.data if history is None else bytes(activation.data) + history.to_bytes()
+        url = hop.url.rstrip("/")
         try:
-            resp = await self._transport.post(hop.url.rstrip("/") + "/forward", body, headers=headers,
-                                              timeout=seconds, connect_timeout=min(seconds, 5.0))
+            if self.batches is not None and activation.shape[1] == 1 and headers.get(wire.CACHE) == "decode" \
+                    and self.batches.takes(url):
+                resp = await self.batches.send(url, headers, body, seconds)  # with the others for it this turn
+            else:
+                resp = await self._post(url + "/forward", headers, body, seconds)
         except TimeoutError:
             raise HopFailed(hop.url, f"{hop.url} is unreachable: timed out after {seconds:.0f} s",
                             reason="timed_out") from None
         except TransportError as exc:
             raise HopFailed(hop.url, f"{hop.url} is unreachable: {exc}", reason="unreachable") from None
         return self.reply_from(hop, resp, activation)
+
+    async def _post(self, url: str, headers: Mapping[str, str], body, seconds: float) -> HopResponse:
+        return await self._transport.post(url, body, headers=headers, timeout=seconds,
+                                          connect_timeout=min(seconds, 5.0))
 
     def reply_from(self, hop: Hop, resp: HopResponse, activation: wire.Activation) -> HopReply:
         """The reply a node's answer to a step on ``activation`` makes, or what the loop raises for it (a cache

@@ -5,7 +5,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from daemon import channel as step_channel
-from daemon.server import channel, completions, forward, openai, status
+from daemon import wire
+from daemon.server import batch, channel, completions, forward, openai, status
 from daemon.server.backend import NodeBackend
 from daemon.server.errors import error_middleware
 from daemon.server.guard import (
@@ -40,6 +41,7 @@ def create_app(node: NodeBackend, *, token: str | None = None, max_body_bytes: i
 
     app.cleanup_ctx.append(serving)
     app.router.add_post("/forward", forward.forward)
+    app.router.add_post(wire.BATCH_PATH, batch.forward_batch)
     app.router.add_get(step_channel.PATH, channel.steps)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_get("/v1/models", openai.models)

@@ -12,7 +12,6 @@ to send one, or a node that begins to drain closes the channel; the head then se
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -22,13 +21,11 @@ from aiohttp import web
 from daemon import channel, wire
 from daemon.errors import BadRequest, MeshError
 from daemon.logs import REQUEST_ID_HEADER, request_id, request_id_from
-from daemon.server.errors import error_body, error_parts
+from daemon.server.errors import step_error
 from daemon.server.forward import reply_parts
 from daemon.server.keys import NODE
 
 log = logging.getLogger(__name__)
-
-JSON = "application/json; charset=utf-8"
 
 
 async def steps(request: web.Request) -> web.StreamResponse:
@@ -101,9 +98,7 @@ class ChannelSteps:
             reply_headers, reply_body = reply_parts(service.serve_now(request))
             return 200, reply_headers, reply_body
         except MeshError as exc:
-            status, error, extra = error_parts(exc)
-            return status, {"Content-Type": JSON, **extra}, json.dumps(error).encode()
+            return step_error(exc)
         except Exception:  # noqa: BLE001 - the node keeps serving whatever one step did
             log.exception("unhandled error in a step on a channel")
-            error = error_body("internal error; see the node's log", type="server_error", code="internal_error")
-            return 500, {"Content-Type": JSON}, json.dumps(error).encode()
+            return step_error(None)

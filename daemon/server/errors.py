@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from aiohttp import web
@@ -11,6 +12,8 @@ from aiohttp.web_protocol import RequestPayloadError
 from daemon.errors import BadRequest, CacheMiss, Draining, MeshError
 
 log = logging.getLogger(__name__)
+
+JSON = "application/json; charset=utf-8"
 
 
 def error_body(message: str, *, type: str, code: str, param: str | None = None) -> dict:
@@ -39,6 +42,16 @@ def error_parts(exc: MeshError) -> tuple[int, dict, dict[str, str]]:
             body["moved_to"] = exc.moved_to  # the node that took the step's session over (a head goes on there)
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else {}
     return exc.status, body, headers
+
+
+def step_error(exc: MeshError | None) -> tuple[int, dict[str, str], bytes]:
+    """A step's refusal as status, headers and body, for a frame (a step channel's, a batch's): ``exc``'s, or with
+    None, the 500 of a step that failed unexpectedly (logged by the caller)."""
+    if exc is None:
+        error = error_body("internal error; see the node's log", type="server_error", code="internal_error")
+        return 500, {"Content-Type": JSON}, json.dumps(error).encode()
+    status, error, extra = error_parts(exc)
+    return status, {"Content-Type": JSON, **extra}, json.dumps(error).encode()
 
 
 def error_response(exc: MeshError) -> web.Response:

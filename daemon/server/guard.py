@@ -17,12 +17,13 @@ from aiohttp import web
 from daemon.errors import Draining, Unauthorized
 from daemon.logs import REQUEST_ID_HEADER, request_id, request_id_from
 from daemon.server.keys import NODE
-from daemon.wire import SESSION
+from daemon.wire import BATCH_PATH, SESSION
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})  # answered without the token: load balancers and supervisors probe it
 # while draining, a node still answers what only reads its state; work (chat, /forward, peer changes) is refused
+FORWARD_PATHS = frozenset({"/forward", BATCH_PATH})  # steps: a drain waits for those under way
 READ_ONLY = frozenset({"/health", "/metrics", "/v1/status", "/v1/sessions", "/v1/route", "/v1/models"})
 
 
@@ -92,8 +93,8 @@ def body_limit_middleware(max_bytes: int):
 @web.middleware
 async def drain_middleware(request: web.Request, handler):
     node = request.app[NODE]
-    forward = request.path == "/forward"
-    if node.draining and request.path not in READ_ONLY:
+    forward = request.path in FORWARD_PATHS
+    if node.draining and request.path not in READ_ONLY and request.path != BATCH_PATH:  # a batch's are per step
         # a step of a session being handed on waits for its transfer, then names the node that took it
         moved_to = await node.session_moved_to(request.headers.get(SESSION)) if forward else None
         raise Draining("this node is shutting down; send the request to another node or retry shortly",

@@ -51,11 +51,20 @@ def batch_counts(daemon) -> tuple[float, float]:
     return counter_value(text, "meshnet_batch_size_count"), counter_value(text, "meshnet_batch_size_sum")
 
 
+def batch_requests(daemon) -> tuple[float, float]:
+    """(``POST /forward/batch`` requests answered, ``POST /forward`` ones) by this node."""
+    text = daemon.metrics()
+    return (counter_value(text, "meshnet_http_requests_total", endpoint="/forward/batch", status="200"),
+            counter_value(text, "meshnet_http_requests_total", endpoint="/forward", status="200"))
+
+
 @pytest.mark.parametrize("max_batch", [16, 1])
 def test_streams_at_once_batch_on_both_nodes_and_each_gets_generates_tokens(max_batch, default_model,
                                                                             reference_tokens, tmp_path):
     extra = ["--max-batch", str(max_batch), "--kv-max-sessions", "16"]  # room for both rounds' sessions
-    mesh = start_mesh(default_model, [("0-14", extra), ("15-29", extra)], log_dir=tmp_path)
+    # with --max-batch 1, the head sends each step on its own POST /forward too
+    env = {"MESHNET_BATCH_HOPS": "off"} if max_batch == 1 else None
+    mesh = start_mesh(default_model, [("0-14", extra), ("15-29", extra)], log_dir=tmp_path, env=env)
     try:
         # the second round's prompts are held: each stream begins with one step from its prompt's cache (the
         # first steps batch too) rather than a prefill
@@ -76,6 +85,11 @@ def test_streams_at_once_batch_on_both_nodes_and_each_gets_generates_tokens(max_
             else:  # six streams at once: most steps shared a forward with another stream's
                 assert steps / forwards >= 1.5, (node.layers, forwards, steps)
             assert "unhandled error" not in node.log()
+        batches, singles = batch_requests(mesh[1])
+        if max_batch == 1:
+            assert batches == 0, batches
+        else:  # the head sent the tail most decode steps in batches: far fewer requests than steps
+            assert batches > 0 and batches + singles < 0.5 * 2 * len(PROMPTS) * TOKENS, (batches, singles)
     finally:
         for d in mesh:
             d.stop()

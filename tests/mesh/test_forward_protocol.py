@@ -10,6 +10,7 @@ reference's greedy choice. Then: each 409 cache-miss reason, a barrage of malfor
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from urllib.parse import urlsplit
@@ -17,6 +18,8 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 
+from daemon import channel
+from daemon.wire import BATCH_CONTENT_TYPE, BATCH_PATH
 from tests.support.headers import CACHE, DTYPE, HOP_INDEX, PAST_LEN, SAMPLING, SESSION, SHAPE, START_LAYER
 from tests.support.http_client import Reply, send
 from tests.support.meshd import Daemon, start_mesh
@@ -552,3 +555,47 @@ def test_route_on_the_head_covers_every_layer(head, tail):
     assert [(h["url"], h["start_layer"], h["end_layer"]) for h in hops] == [(head.url, 0, 2), (tail.url, 2, 4)]
     assert [h["local"] for h in hops] == [True, False]
     assert all(h["kv_cache"] for h in hops)
+
+
+# --- POST /forward/batch: several steps in one request --------------------------------------------
+
+
+def batch(url: str, body: bytes) -> Reply:
+    return send("POST", url + BATCH_PATH, body, {"Content-Type": BATCH_CONTENT_TYPE})
+
+
+def test_a_batch_answers_each_of_its_steps_as_post_forward_would(tail, ref, prompt_ids):
+    held = {}  # session -> its tokens so far
+    for sid, prompt in (("batch-a", prompt_ids), ("batch-b", prompt_ids[:-1])):
+        hidden, _ = ref.run(prompt)
+        held[sid] = prompt + [token_of(forward(tail.url, hidden, {CACHE: "prefill", SESSION: sid, START_LAYER: "2"}))]
+    frames = []
+    for sid, ids in held.items():
+        hidden, _ = ref.run(ids)
+        frames.append(({DTYPE: "float32", SHAPE: f"1,1,{HIDDEN}", CACHE: "decode", SESSION: sid,
+                        PAST_LEN: str(len(ids) - 1), START_LAYER: "2"}, to_bytes(hidden[:, -1:])))
+    step = frames[0][1]
+    frames.append(({DTYPE: "float32", SHAPE: f"1,1,{HIDDEN}", CACHE: "decode", SESSION: "nobody-holds-this",
+                    PAST_LEN: "3"}, step))
+    frames.append(({DTYPE: "float32", SHAPE: f"1,1,{HIDDEN}", CACHE: "decode", SESSION: "batch-a", PAST_LEN: "x"},
+                   step))
+    reply = batch(tail.url, b"".join(channel.request_frame(h, b) for h, b in frames))
+    assert reply.status == 200, reply
+    assert reply.headers.get_content_type() == BATCH_CONTENT_TYPE
+    answers = channel.replies_in(reply.body)
+    assert [status for status, *_ in answers] == [200, 200, 409, 400]
+    for (_, _, body, _), ids in zip(answers, held.values()):
+        ref.assert_greedy(json.loads(body)["token_id"], ids)
+    assert json.loads(answers[2][2])["reason"] == "unknown_session"
+    assert json.loads(answers[3][2])["error"]["param"] == PAST_LEN
+    listed = {s["session_id"]: s["past_len"] for s in tail.get("/v1/sessions")["sessions"]}
+    assert [listed[sid] for sid in held] == [len(ids) for ids in held.values()]  # each step went into its cache
+
+
+@pytest.mark.parametrize("body", [b"", b"\x00\x00\x00\x05", b"not frames at all",
+                                  channel.request_frame({"A": "b"}, b"x")[:-1]])
+def test_a_batch_that_is_not_whole_step_frames_is_refused_whole_and_the_node_serves_on(tail, body):
+    reply = batch(tail.url, body)
+    assert reply.status == 400, reply
+    assert reply.json()["error"]["type"] == "invalid_request_error"
+    assert tail.get("/health")["status"] == "ok"

@@ -105,6 +105,30 @@ def test_headers_that_cannot_be_framed_are_refused_before_anything_is_sent():
         channel.request_frame({"X-Bad": "a\r\nX-Injected: 1"}, b"")
 
 
+def test_a_batch_body_is_read_back_as_its_frames_in_order():
+    requests = [({"X-Meshnet-Session": f"s{i}"}, bytes([i]) * (i * 3)) for i in range(4)]
+    body = b"".join(channel.request_frame(h, b) for h, b in requests)
+    read = channel.requests_in(body)
+    assert [(dict(h), bytes(b)) for h, b in read] == [(h, b) for h, b in requests]
+    replies = [(200, {"Content-Type": "application/json"}, b'{"token_id": 7}'), (409, {}, b"gone")]
+    frames = [channel.reply_frame(*r) for r in replies]
+    read = channel.replies_in(b"".join(frames))
+    assert [(status, dict(h), bytes(b), size) for status, h, b, size in read] == \
+        [(status, h, b, len(frame)) for (status, h, b), frame in zip(replies, frames)]
+    assert channel.requests_in(b"") == []
+
+
+@pytest.mark.parametrize("cut", [1, 7, 9])
+def test_a_batch_body_that_is_not_whole_frames_is_refused(cut):
+    body = channel.request_frame({"A": "b"}, b"xyz") * 2
+    with pytest.raises(channel.ChannelClosed):
+        channel.requests_in(body[:-cut])
+    with pytest.raises(channel.ChannelClosed, match="over the limits"):
+        channel.requests_in(struct.pack(">II", 0, channel.MAX_BODY_BYTES + 1))
+    with pytest.raises(channel.ChannelClosed, match="malformed header"):
+        channel.requests_in(struct.pack(">II", 6, 0) + b"nocolo")
+
+
 # --- the torch thread serving channels --------------------------------------------------------------------------
 
 
