@@ -6,10 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from daemon import host
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the child imports daemon from it, wherever pytest runs
 
 CHURN = textwrap.dedent("""
     import ctypes, sys
@@ -42,7 +45,7 @@ CHURN = textwrap.dedent("""
 
 def kept_mib(mode: str) -> int:
     """MiB of resident memory 324 MiB of freed temporaries left behind in a fresh process."""
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": "."}  # no MALLOC_* settings of the caller's
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}  # no MALLOC_* settings of the caller's
     done = subprocess.run([sys.executable, "-c", CHURN, mode], capture_output=True, text=True, timeout=60, env=env,
                           check=True)
     return int(done.stdout.strip())
