@@ -22,8 +22,8 @@ from daemon.wire import BATCH_PATH, SESSION
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health"})  # answered without the token: load balancers and supervisors probe it
-# while draining, a node still answers what only reads its state; work (chat, /forward, peer changes) is refused
 FORWARD_PATHS = frozenset({"/forward", BATCH_PATH})  # steps: a drain waits for those under way
+# while draining, a node still answers what only reads its state; work (chat, /forward, peer changes) is refused
 READ_ONLY = frozenset({"/health", "/metrics", "/v1/status", "/v1/sessions", "/v1/route", "/v1/models"})
 
 
