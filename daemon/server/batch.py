@@ -33,23 +33,27 @@ MAX_STEPS = 256  # a head sends one per generation it runs; far more than any no
 
 async def forward_batch(request: web.Request) -> web.Response:
     node = request.app[NODE]
+    # as the drain middleware found it. Taken as work (counted under way, so a drain waits for it), every step runs;
+    # refused, none is counted, and each step may wait for its session's transfer, which waits for the steps under way
+    draining = node.draining
     try:
         frames = channel.requests_in(await request.read())
     except channel.ChannelClosed as exc:
         raise BadRequest(f"the body is not a sequence of whole step frames: {exc}") from None
     if not 1 <= len(frames) <= MAX_STEPS:
         raise BadRequest(f"a batch carries 1 to {MAX_STEPS} steps, not {len(frames)}")
-    answers = await asyncio.gather(*(_answer(node, headers, body) for headers, body in frames))
+    answers = await asyncio.gather(*(_answer(node, headers, body, draining) for headers, body in frames))
     return web.Response(body=b"".join(channel.reply_frame(*answer) for answer in answers),
                         headers={"Content-Type": wire.BATCH_CONTENT_TYPE})
 
 
-async def _answer(node, headers, body: bytearray) -> tuple[int, dict[str, str], bytes | bytearray | memoryview]:
+async def _answer(node, headers, body: bytearray,
+                  draining: bool) -> tuple[int, dict[str, str], bytes | bytearray | memoryview]:
     """One step of a batch, answered as ``POST /forward`` would answer it alone (in a task of its own)."""
     request_id.set(request_id_from(headers.get(REQUEST_ID_HEADER)))  # the task's own context: no reset needed
     service = node.service
     try:
-        if node.draining:
+        if draining:
             raise Draining("this node is shutting down; send the request to another node or retry shortly",
                            moved_to=await node.session_moved_to(headers.get(wire.SESSION)))
         step = wire.parse_forward(headers, body, hidden_size=service.hidden_size, first_layer=service.start,

@@ -94,7 +94,9 @@ def body_limit_middleware(max_bytes: int):
 async def drain_middleware(request: web.Request, handler):
     node = request.app[NODE]
     forward = request.path in FORWARD_PATHS
-    if node.draining and request.path not in READ_ONLY and request.path != BATCH_PATH:  # a batch's are per step
+    if node.draining and request.path not in READ_ONLY:
+        if request.path == BATCH_PATH:  # refused step by step, each naming its session's node: none is under way
+            return await handler(request)
         # a step of a session being handed on waits for its transfer, then names the node that took it
         moved_to = await node.session_moved_to(request.headers.get(SESSION)) if forward else None
         raise Draining("this node is shutting down; send the request to another node or retry shortly",
