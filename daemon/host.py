@@ -42,15 +42,15 @@ def return_freed_memory() -> None:
 
 
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter in glibc's malloc.h
-LOADING_MMAP_THRESHOLD = 1 << 20
+MAPPED_THRESHOLD = 1 << 20  # allocations this large or larger are mapped on their own
 _MMAP_THRESHOLD_MAX = 32 << 20  # where glibc's own sliding threshold stops on a 64-bit host
 
 
 @contextlib.contextmanager
-def large_allocations_mapped(threshold: int = LOADING_MMAP_THRESHOLD) -> Iterator[None]:
+def large_allocations_mapped(threshold: int = MAPPED_THRESHOLD) -> Iterator[None]:
     """For the ``with`` block, glibc maps every allocation of ``threshold`` bytes or more on its own and hands it
     back to the system when it is freed; afterwards those below 32 MiB come from its heap again (where glibc's
-    sliding threshold settles once a large block was freed, as loading frees many), and the heap is trimmed.
+    sliding threshold settles once a large block was freed, as timing kernels frees many), and the heap is trimmed.
 
     Timing a node's kernels frees hundreds of samples and copies of 1-32 MiB. Carved from the heap, freed ones
     stayed resident, holes the next did not fit: a 4-layer Llama-8B-shaped node quantized to 4 bits peaked at

@@ -108,15 +108,14 @@ class HopBatches:
                                           for step in steps), return_exceptions=True)
         if resp.status != 200:  # refused whole: the same refusal for each step
             return [resp] * len(steps)
-        try:
-            replies = channel.replies_in(resp.body) if resp.content_type == wire.BATCH_CONTENT_TYPE else None
-        except channel.ChannelClosed as exc:
-            replies = None
-            problem = str(exc)
-        else:
-            problem = f"{len(replies)} answers to {len(steps)} steps" if replies is not None else \
-                f"a {resp.content_type or 'typeless'} body"
-        if replies is None or len(replies) != len(steps):
+        replies, problem = [], f"a {resp.content_type or 'typeless'} body"
+        if resp.content_type == wire.BATCH_CONTENT_TYPE:
+            try:
+                replies = channel.replies_in(resp.body)
+                problem = f"{len(replies)} answers to {len(steps)} steps"
+            except channel.ChannelClosed as exc:
+                problem = str(exc)
+        if len(replies) != len(steps):
             return [UpstreamError(f"{url} answered a batch of steps with {problem}")] * len(steps)
         # each step's bytes: its own frame, and its share of the request's and the answer's HTTP heads
         sent_head = (resp.sent_bytes - len(body)) / len(steps)

@@ -23,7 +23,7 @@ from daemon import channel, wire
 from daemon.errors import BadRequest, Draining, MeshError
 from daemon.logs import REQUEST_ID_HEADER, request_id, request_id_from
 from daemon.server.errors import step_error
-from daemon.server.forward import reply_parts
+from daemon.server.forward import parse_step, reply_parts
 from daemon.server.keys import NODE
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,7 @@ async def _answer(node, headers, body: bytearray,
         if draining:
             raise Draining("this node is shutting down; send the request to another node or retry shortly",
                            moved_to=await node.session_moved_to(headers.get(wire.SESSION)))
-        step = wire.parse_forward(headers, body, hidden_size=service.hidden_size, first_layer=service.start,
-                                  end_layer=service.end)
-        reply_headers, reply_body = reply_parts(await service.forward(step))
+        reply_headers, reply_body = reply_parts(await service.forward(parse_step(service, headers, body)))
         return 200, reply_headers, reply_body
     except MeshError as exc:
         return step_error(exc)

@@ -22,7 +22,7 @@ from daemon import channel, wire
 from daemon.errors import BadRequest, MeshError
 from daemon.logs import REQUEST_ID_HEADER, request_id, request_id_from
 from daemon.server.errors import step_error
-from daemon.server.forward import reply_parts
+from daemon.server.forward import parse_step, reply_parts
 from daemon.server.keys import NODE
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,7 @@ class ChannelSteps:
     def _answer(self, headers, body: bytearray) -> tuple[int, dict[str, str], bytes]:
         service = self._service
         try:
-            request = wire.parse_forward(headers, body, hidden_size=service.hidden_size,
-                                         first_layer=service.start, end_layer=service.end)
+            request = parse_step(service, headers, body)
             if request.mode != "decode" or request.activation.shape[1] != 1 or request.prefix is not None:
                 raise BadRequest("a step channel carries one-position decode steps of a running session; "
                                  "send this step to POST /forward", param=wire.CACHE)

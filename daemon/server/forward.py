@@ -12,11 +12,14 @@ from daemon.server.keys import NODE
 
 async def forward(request: web.Request) -> web.Response:
     service = request.app[NODE].service
-    body = await request.read()
-    parsed = wire.parse_forward(request.headers, body, hidden_size=service.hidden_size,
-                                first_layer=service.start, end_layer=service.end)
-    headers, body = reply_parts(await service.forward(parsed))
+    headers, body = reply_parts(await service.forward(parse_step(service, request.headers, await request.read())))
     return web.Response(body=body, headers=headers)
+
+
+def parse_step(service, headers, body: bytes | bytearray) -> wire.ForwardRequest:
+    """A step's headers and body read against this node's layers: ``POST /forward``'s, a channel's, a batch's."""
+    return wire.parse_forward(headers, body, hidden_size=service.hidden_size, first_layer=service.start,
+                              end_layer=service.end)
 
 
 def reply_parts(reply: wire.ForwardReply) -> tuple[dict[str, str], bytes | bytearray | memoryview]:

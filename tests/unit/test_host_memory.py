@@ -1,5 +1,5 @@
-"""Large temporaries while weights load (:func:`daemon.host.large_allocations_mapped`): freed, they go back to the
-system at once rather than staying in glibc's heap as holes the next one does not fit."""
+"""Large temporaries while a node times its kernels (:func:`daemon.host.large_allocations_mapped`): freed, they go
+back to the system at once rather than staying in glibc's heap as holes the next one does not fit."""
 
 from __future__ import annotations
 
