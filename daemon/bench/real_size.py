@@ -5,6 +5,11 @@ A decode step reads every active weight once, so the least time it can take is t
 machine reads memory. :func:`read_bandwidth` measures that rate (a sum over a buffer far larger than any
 cache); :func:`build` writes a few layers of a real model's shapes with random weights (once, into the meshnet
 cache); :func:`measure` runs one ``meshd`` with all of them and sets its decode step against the floor.
+
+A quantized node holds several times the layers of a bfloat16 one in the same memory, so a shape's quantized rows may
+run a deeper sample (:attr:`Shape.deeper`, written by :func:`build_deeper`): its layers in the real model's order, about
+the bytes its bfloat16 row holds. Its node's peak against its weights then says what a node that size holds, not
+what the few hundred MiB of runtime weigh against a sample a quarter of that.
 """
 
 from __future__ import annotations
@@ -31,7 +36,15 @@ class Shape:
     name: str
     about: str
     config: dict  # transformers config fields; "model_type" picks the class
+    deeper: Shape | None = None  # the sample its quantized rows run, if not this one: more of its layers
 
+
+_QWEN35_MOE = {"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_attention_heads": 16,
+               "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+               "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+               "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+               "shared_expert_intermediate_size": 512}
+_QWEN35_ORDER = ["linear_attention"] * 3 + ["full_attention"]  # the real model's 40 layers: this, ten times
 
 SHAPES = {
     "llama-8b": Shape(
@@ -41,12 +54,11 @@ SHAPES = {
     "qwen3.5-moe": Shape(
         "qwen3.5-moe", "2 layers shaped like Qwen3.5-35B-A3B (256 experts, 8 routed + 1 shared; one gated delta "
         "net layer, one gated attention layer)",
-        {"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 2,
-         "layer_types": ["linear_attention", "full_attention"], "num_attention_heads": 16,
-         "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-         "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-         "shared_expert_intermediate_size": 512}),
+        {**_QWEN35_MOE, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
+        deeper=Shape(
+            "qwen3.5-moe-8", "8 layers shaped like Qwen3.5-35B-A3B in its order (3 gated delta net layers to each "
+            "gated attention layer; 256 experts, 8 routed + 1 shared)",
+            {**_QWEN35_MOE, "num_hidden_layers": 8, "layer_types": _QWEN35_ORDER * 2})),
 }
 
 
@@ -85,25 +97,90 @@ def build(shape: Shape, folder: Path, tokenizer_from: Path) -> dict:
                                   pad_token_id=2, tie_word_embeddings=False, max_position_embeddings=4096, **fields)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    routed = getattr(config, "num_experts_per_tok", 0) / max(getattr(config, "num_experts", 0) or 1, 1)
+    if folder.exists():
+        shutil.rmtree(folder)
+    model.save_pretrained(folder)
+    _copy(tokenizer_from, folder, TOKENIZER_FILES)
+    return _finish(shape, folder, ((name, p.shape[0], p.numel() * p.element_size())
+                                   for name, p in model.named_parameters()))
+
+
+def build_deeper(shape: Shape, source: Path, folder: Path) -> dict:
+    """``shape.deeper`` saved in ``folder``, once, from ``shape``'s checkpoint in ``source`` (the one file
+    :func:`build` writes). Each of its layers has random weights of its own, drawn with the mean and spread of the
+    first layer of its kind in ``source`` (vectors such as a norm's weights copied); one file a layer, so no more
+    than a layer is held while writing. Its record, as :func:`build`'s."""
+    marker = folder / MARKER
+    if marker.exists():
+        return json.loads(marker.read_text())
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    deep = shape.deeper
+    say(f"writing {deep.about} with random weights into {folder} (once)")
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    kinds = deep.config["layer_types"]
+    first_of = {kind: shape.config["layer_types"].index(kind) for kind in kinds}
+    generator = torch.Generator().manual_seed(0)
+    weight_map: dict[str, str] = {}
+    sizes: list[tuple[str, int, int]] = []  # each weight's name, rows and bytes
+
+    def write(part: int, tensors: dict[str, torch.Tensor]) -> None:
+        file = f"model-{part + 1:05d}-of-{len(kinds) + 1:05d}.safetensors"
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        sizes.extend((name, t.shape[0], t.numel() * t.element_size()) for name, t in tensors.items())
+
+    with safe_open(str(source / "model.safetensors"), "pt") as checkpoint:
+        names = list(checkpoint.keys())
+        write(0, {name: checkpoint.get_tensor(name) for name in names if not name.startswith("model.layers.")})
+        for layer, kind in enumerate(kinds):
+            prefix = f"model.layers.{first_of[kind]}."
+            write(layer + 1, {f"model.layers.{layer}.{name[len(prefix):]}": _redrawn(checkpoint.get_tensor(name),
+                                                                                      generator)
+                              for name in names if name.startswith(prefix)})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(size for *_, size in sizes)}, "weight_map": weight_map}, indent=2))
+    config = json.loads((source / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": len(kinds), "layer_types": kinds},
+                                                   indent=2))
+    _copy(source, folder, (*TOKENIZER_FILES, "generation_config.json"))
+    return _finish(deep, folder, sizes)
+
+
+def _redrawn(tensor, generator):
+    """Random values with ``tensor``'s shape, dtype, mean and spread; a vector (norms, gates' biases) as it is."""
+    if tensor.dim() < 2:
+        return tensor
+    mean, spread = float(tensor.float().mean()), float(tensor.float().std())
+    return tensor.new_empty(tensor.shape).normal_(mean, spread, generator=generator)
+
+
+def _copy(source: Path, folder: Path, names) -> None:
+    for name in names:
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
+
+
+def _finish(shape: Shape, folder: Path, weights) -> dict:
+    """The record of ``shape`` in ``folder`` from its ``weights`` (``(name, rows, bytes)`` each):
+    every weight's bytes, and those one decode step reads (every weight but only the routed share of the experts
+    and one row of the embedding); written last, as the folder's marker."""
+    routed = shape.config.get("num_experts_per_tok", 0) / max(shape.config.get("num_experts", 0) or 1, 1)
     total = active = 0
-    for name, parameter in model.named_parameters():
-        size = parameter.numel() * parameter.element_size()
+    for name, rows, size in weights:
         total += size
         if name.endswith("embed_tokens.weight"):
-            active += size // parameter.shape[0]  # one row per token
+            active += size // rows  # one row per token
         elif ".experts." in name:
             active += round(size * routed)  # the routed experts' share (the shared expert is read whole)
         else:
             active += size
-    if folder.exists():
-        shutil.rmtree(folder)
-    model.save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_from / name).exists():
-            shutil.copy(tokenizer_from / name, folder / name)
     record = {"shape": shape.name, "about": shape.about, "weights_bytes": total, "active_bytes": active}
-    marker.write_text(json.dumps(record))
+    (folder / MARKER).write_text(json.dumps(record))
     return record
 
 

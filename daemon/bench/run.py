@@ -360,10 +360,13 @@ def _measure_real_size(args, cores: int) -> list[dict]:
         folder = cache_dir() / "bench" / "shapes" / name
         record = real_size.build(shape, folder, tokenizer_from)
         for quantize in (None, args.shape_quantize) if args.shape_quantize else (None,):
+            sample = (shape, record, folder)
+            if quantize and shape.deeper:  # the deeper sample, about the bytes of the bfloat16 row
+                deep_folder = folder.with_name(shape.deeper.name)
+                sample = (shape.deeper, real_size.build_deeper(shape, folder, deep_folder), deep_folder)
             say(f"{name}{f' {quantize}' if quantize else ''}: the machine's read bandwidth on {cores} thread(s) "
                 "around each of 3 runs of decode steps")
-            rows.append(real_size.measure(shape, record, folder, args.shape_tokens, args.threads, cores,
-                                          quantize=quantize))
+            rows.append(real_size.measure(*sample, args.shape_tokens, args.threads, cores, quantize=quantize))
             say("read bandwidth: " + "; ".join(", ".join(f"{b / 1e9:.1f}" for b in pair)
                                                for pair in rows[-1]["bandwidth_readings"]) + " GB/s; of the floor: "
                 + " ".join(f"{r:.2f}" for r in rows[-1]["of_floor_rounds"]))

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from daemon.bench.real_size import MARKER, SHAPES, Shape, build, read_bandwidth
+from daemon.bench.real_size import MARKER, SHAPES, Shape, build, build_deeper, read_bandwidth
 
 VOCAB = 49152
 
@@ -29,6 +29,60 @@ def test_the_shapes_are_the_real_models_sizes(name):
         experts = sum(p.numel() * 2 for n, p in model.model.layers.named_parameters() if ".experts." in n)
         assert experts == 2 * 256 * 3 * 2048 * 512 * 2
         assert config.layer_types == ["linear_attention", "full_attention"]
+
+
+def test_the_deeper_moe_sample_is_the_real_models_order():
+    """Its quantized rows run 8 layers of the same sizes, 3 gated delta net layers to each gated attention layer as in
+    the real model (at 4 bits, about what its 2 bfloat16 layers hold)."""
+    shape = SHAPES["qwen3.5-moe"]
+    deep = shape.deeper
+    assert deep.config["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    assert {k: v for k, v in deep.config.items() if k not in ("num_hidden_layers", "layer_types")} == \
+        {k: v for k, v in shape.config.items() if k not in ("num_hidden_layers", "layer_types")}
+    assert deep.config["num_hidden_layers"] == 8 and deep.deeper is None
+
+
+def test_the_deeper_sample_draws_each_layer_after_the_first_of_its_kind(tmp_path, default_model):
+    """Written once, a file a layer: it loads in transformers with its layers in the deeper order; two layers of
+    one kind have weights of their own with the spread of the layer they were drawn after, a norm's weights are
+    copied, and the record counts every weight and what a step reads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    small = {"model_type": "qwen3_5_moe_text", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+             "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+    order = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+    deeper = Shape("small-hybrid-4", "four layers", {**small, "num_hidden_layers": 4, "layer_types": order})
+    shape = Shape("small-hybrid", "two layers", {**small, "num_hidden_layers": 2,
+                                                 "layer_types": ["linear_attention", "full_attention"]}, deeper)
+    source, folder = tmp_path / "small-hybrid", tmp_path / "small-hybrid-4"
+    build(shape, source, default_model)
+    record = build_deeper(shape, source, folder)
+    assert len(list(folder.glob("model-*.safetensors"))) == 5 and (folder / "tokenizer.json").exists()
+    assert json.loads((folder / MARKER).read_text()) == record
+
+    two = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    four = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert four.config.layer_types == order
+    assert [type(layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn).__name__
+            for layer in four.model.layers] == [type(two.model.layers[0].linear_attn).__name__] * 2 + \
+        [type(two.model.layers[1].self_attn).__name__] + [type(two.model.layers[0].linear_attn).__name__]
+    after = two.model.layers[0].linear_attn.in_proj_qkv.weight.detach().float()
+    drawn = [four.model.layers[i].linear_attn.in_proj_qkv.weight.detach().float() for i in (0, 1, 3)]
+    assert not torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[0], after)
+    for weight in drawn:
+        assert float(weight.std()) == pytest.approx(float(after.std()), rel=0.1)
+    assert torch.equal(four.model.layers[2].input_layernorm.weight, two.model.layers[1].input_layernorm.weight)
+    assert torch.equal(four.model.embed_tokens.weight, two.model.embed_tokens.weight)
+
+    values = {name: p.numel() for name, p in four.named_parameters()}
+    experts = sum(v for name, v in values.items() if ".experts." in name)
+    embedding = values["model.embed_tokens.weight"]
+    assert record["weights_bytes"] == 2 * sum(values.values())
+    assert record["active_bytes"] == 2 * (sum(values.values()) - experts - embedding) + 2 * experts // 4 + 2 * 64
+    assert build_deeper(shape, source, folder) == record  # reused, not written again
 
 
 def test_a_model_is_written_once_with_what_a_decode_step_reads(tmp_path, default_model):
