@@ -717,7 +717,9 @@ void meshnet_gemv_pairs_q4(const uint8_t *w, const uint16_t *scale, const long *
     pairs_by(W_Q4, w, out * (in / 2), scale, out * (in / 32), which, pairs, xs, y, out, in, dtype);
 }
 
-/* rows r0..r0+count-1 of a 4-bit matrix as values in `dtype` into y [count, in]: d * (q - 8), exact in float32 */
+/* rows r0..r0+count-1 of a 4-bit matrix as values in `dtype` into y [count, in]: d * (q - 8), exact in float32.
+ * Sixteen values at a time (a run is at least 32 long, a block's scale covers 32): loops of a fixed 16 that the
+ * compiler turns into a few vector instructions, where a value at a time had dequantized 0.4-0.65 G values a second */
 void meshnet_dequantize_q4(const uint8_t *w, const uint16_t *scale, void *y, long r0, long count, long in, int dtype) {
 #pragma omp parallel for schedule(static)
     for (long i = 0; i < count; i++) {
@@ -726,10 +728,24 @@ void meshnet_dequantize_q4(const uint8_t *w, const uint16_t *scale, void *y, lon
         long half;
         for (long run = 0; run < in; run += 2 * half) {
             run_of(run, in, &half);
-            for (long j = 0; j < half; j++) {
-                const uint8_t byte = row[run / 2 + j];
-                store(y, i * in + run + j, from_f16(d[(run + j) / 32]) * (float)((byte & 15) - 8), dtype);
-                store(y, i * in + run + half + j, from_f16(d[(run + half + j) / 32]) * (float)((byte >> 4) - 8), dtype);
+            for (long j = 0; j < half; j += 16) {
+                const uint8_t *bytes = row + run / 2 + j;
+                const float low = from_f16(d[(run + j) / 32]), high = from_f16(d[(run + half + j) / 32]);
+                float a[16], b[16];
+                for (int t = 0; t < 16; t++) {
+                    a[t] = low * (float)((bytes[t] & 15) - 8);
+                    b[t] = high * (float)((bytes[t] >> 4) - 8);
+                }
+                const long at = i * in + run + j;
+                if (dtype == F32) {
+                    memcpy((float *)y + at, a, sizeof a);
+                    memcpy((float *)y + at + half, b, sizeof b);
+                } else {
+                    for (int t = 0; t < 16; t++) {
+                        ((uint16_t *)y)[at + t] = to_bf16(a[t]);
+                        ((uint16_t *)y)[at + half + t] = to_bf16(b[t]);
+                    }
+                }
             }
         }
     }

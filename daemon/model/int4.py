@@ -30,6 +30,7 @@ BLOCK = 32  # values per float16 scale
 RUN = 128  # values per 64 bytes: byte j holds value j (low half) and j + 64 (high half); then runs of 64 and 32
 CHUNK_BYTES = 16 << 20  # a prompt's product dequantizes at most this many bytes of weights at a time; a quantizer
 # takes as many bytes of float32 rows at a time
+BLOCKED_ROWS = 48  # a prompt of up to this many rows goes through the native kernel 16 at a time, not dequantized
 
 
 def quantize(weight: torch.Tensor, mappings: list[tuple[int, int]] | None = None
@@ -102,8 +103,8 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, columns: int, dtype: t
 
 
 class Int4WeightLinear(nn.Module):
-    """An ``nn.Linear`` with 4-bit weights in blocks of 32 (Q4_0's format): a decode step's few rows by the native
-    kernel, more (a prompt) by torch's own product over the weights dequantized a few rows at a time.
+    """An ``nn.Linear`` with 4-bit weights in blocks of 32 (Q4_0's format): a decode step's few rows (and a short
+    prompt's) by the native kernel, more by torch's own product over the weights dequantized a few rows at a time.
 
     The weight is ``weight_q4`` (uint8, two values a byte), not ``weight``: code that reads ``proj.weight.dtype``
     to cast activations fails loudly instead of casting them to uint8.
@@ -128,12 +129,15 @@ class Int4WeightLinear(nn.Module):
 def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """``x [..., in]`` by the 4-bit matrix ``packed [out, in / 2]`` with ``scale [out, in / 32]``: up to
-    :data:`~daemon.model.native.MAX_ROWS` rows natively (a decode step), more by torch over the weights
-    dequantized :data:`CHUNK_BYTES` at a time (natively where the library is built)."""
+    :data:`~daemon.model.native.MAX_ROWS` rows natively (a decode step), up to :data:`BLOCKED_ROWS` (a short
+    prompt) natively that many at a time, more by torch over the weights dequantized :data:`CHUNK_BYTES` at a time
+    (natively where the library is built)."""
     columns, out_features = packed.shape[1] * 2, packed.shape[0]
     native_here = packed.device.type == "cpu" and native.library() is not None
     if native_here and x.numel() <= native.MAX_ROWS * columns:
         return native.gemv_q4(x, packed, scale, columns, bias)
+    if native_here and x.numel() <= BLOCKED_ROWS * columns:
+        return native.in_blocks(native.gemv_q4, x, packed, scale, columns, bias)
     rows = x.reshape(-1, columns)
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype, device=x.device)
     step = max(1, CHUNK_BYTES // (columns * x.element_size()))

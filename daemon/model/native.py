@@ -284,6 +284,17 @@ def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: 
     return y
 
 
+def in_blocks(product, x: torch.Tensor, *weights) -> torch.Tensor:
+    """``product`` (:func:`gemv_int8`, :func:`gemv_q4`) of more than :data:`MAX_ROWS` rows (a prompt's), that many
+    at a time: each row's outputs its own, bit for bit, as in a decode step. A pass over the weights for each 16
+    rows, but 16 rows by int8 products keep both cores busy: on a 2-core Xeon, 39 to 512 rows by int8 matrices
+    took 0.5-0.8x the time PyTorch's int8-weight kernel took, and up to 48 rows by 4-bit ones 0.55-1.0x the time
+    the weights dequantized for a float32 product took (``tests/unit/test_native.py``; BENCHMARKS.md)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.cat([product(rows[first:first + MAX_ROWS], *weights) for first in range(0, rows.shape[0], MAX_ROWS)])
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
 def gemv_q4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, columns: int,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` by the 4-bit matrix ``packed [out, columns / 2]`` with float16 block scales ``scale [out, columns / 32]``

@@ -113,23 +113,28 @@ def test_native_dequantization_is_torchs_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_prompt_multiplies_the_dequantized_weights_with_or_without_the_library(dtype, monkeypatch):
-    """17 rows or more: torch's product over the weights dequantized a chunk of rows at a time (chunks made small
-    here), the same with the native dequantization as with torch's; up to 16 rows: the native product."""
+def test_a_long_prompt_multiplies_the_dequantized_weights_and_a_short_one_goes_16_rows_at_a_time(dtype, monkeypatch):
+    """More than BLOCKED_ROWS rows: torch's product over the weights dequantized a chunk of rows at a time (chunks
+    made small here), the same with the native dequantization as with torch's; up to BLOCKED_ROWS: the native
+    product 16 rows at a time, each row's outputs what they are alone (as in a decode step)."""
     torch.manual_seed(5)
     linear = int4.Int4WeightLinear(nn.Linear(256, 384).to(dtype))
     monkeypatch.setattr(int4, "CHUNK_BYTES", 100 * 256 * 4)  # four chunks of 100 rows or fewer
-    prompt = torch.randn(1, 40, 256).to(dtype)
+    prompt = torch.randn(1, int4.BLOCKED_ROWS + 12, 256).to(dtype)
     weights = int4.dequantize(linear.weight_q4, linear.scale, 256, dtype)
     with torch.inference_mode():
         got = linear(prompt)
-        assert got.dtype == dtype and got.shape == (1, 40, 384)
+        assert got.dtype == dtype and got.shape == (1, int4.BLOCKED_ROWS + 12, 384)
         want = F.linear(prompt, weights, linear.bias)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max() if dtype == torch.float32 else \
             (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
         if native.library() is not None:
-            rows = prompt[:, :16]
-            assert torch.equal(linear(rows), native.gemv_q4(rows, linear.weight_q4, linear.scale, 256, linear.bias))
+            short = prompt[:, :int4.BLOCKED_ROWS - 7]  # 41 rows: 16, 16 and 9
+            alone = torch.cat([native.gemv_q4(short[:, r:r + 1], linear.weight_q4, linear.scale, 256, linear.bias)
+                               for r in range(short.shape[1])], dim=1)
+            assert torch.equal(linear(short), alone)
+            assert (alone.float() - want[:, :short.shape[1]].float()).abs().max() <= \
+                2 ** -5 * want.float().abs().max()  # the inputs quantized to 8 bits, as in a decode step
             monkeypatch.setattr(native, "library", lambda: None)
             assert torch.equal(linear(prompt), got)
 
