@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include <limits.h>
 #include <poll.h>
@@ -693,6 +694,186 @@ long meshnet_q8_floats(long n) { return Q8_FLOATS(n); }
 void meshnet_gemv_int8(const int8_t *w, const uint16_t *scale, const void *x, const void *bias, void *y, long rows,
                        long out, long in, int dtype, float *scratch) {
     rows_by(W_INT8, w, scale, x, bias, y, rows, out, in, dtype, scratch);
+}
+
+/* ---- a prompt's rows by int8 and 4-bit weights -------------------------------------------------------------------
+ *
+ * A prompt's rows (more than a decode step's) by one quantized matrix, in meshnet_gemm_int8 and meshnet_gemm_q4:
+ * sixteen weights of each of four weight rows make one vector, and one VNNI instruction multiplies it by sixteen
+ * values of one input row broadcast to its four 128-bit lanes, four weight rows' partial sums at once. The vectors
+ * of a block of weights serve PROMPT_ROWS input rows before the next block is read, where a decode step's tile
+ * reloads and rebuilds a weight row's block for every two input rows. Each lane's exact integer sum over a block is
+ * scaled into a float32 lane, and a weight row's four lanes are added at the end: a decode step's sums, added in
+ * another order (so within float32 rounding of its outputs, not bit for bit). */
+#define PROMPT_ROWS 8
+#define PROMPT_CACHE (256 << 10)
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define PROMPT_TILES 1
+/* the 16 bytes at byte `at` of each of four rows `stride` bytes apart, one row to each 128-bit lane */
+static inline __m512i sixteen_of_each(const void *w, long stride, long at) {
+    const char *p = (const char *)w + at;
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + stride)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + 2 * stride)), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(p + 3 * stride)), 3);
+}
+
+/* values k..k+15 of four 4-bit rows of n values (k a multiple of 16), unsigned, one row to each 128-bit lane */
+static inline __m512i sixteen_q4(const uint8_t *w, long stride, long k, long n) {
+    long half;
+    const long run = run_of(k, n, &half), j = k - run;
+    const __m512i bytes = sixteen_of_each(w, stride, run / 2 + j % half), low = _mm512_set1_epi8(0x0f);
+    return _mm512_and_si512(j < half ? bytes : _mm512_srli_epi16(bytes, 4), low);
+}
+
+static inline __m512i times_sixteen(__m512i sums, __m512i w, const int8_t *x) {
+    return _mm512_dpbusd_epi32(sums, w, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)x)));
+}
+
+/* a tile's four outputs for each input row: its accumulator's lanes for each weight row added */
+static inline void prompt_sums(const __m512 *acc, float *v) {
+    for (int m = 0; m < PROMPT_ROWS; m++) {
+        float lanes[16];
+        _mm512_storeu_ps(lanes, acc[m]);
+        for (int r = 0; r < 4; r++)
+            v[m * 4 + r] = (lanes[4 * r] + lanes[4 * r + 1]) + (lanes[4 * r + 2] + lanes[4 * r + 3]);
+    }
+}
+
+/* int8 weight rows 0..3 of `w` by PROMPT_ROWS input rows xs: row m's four outputs, before the rows' scales, into v */
+static void prompt_tile_q8(const int8_t *restrict w, long in, const struct q8row *const *xs, float *v) {
+    __m512 acc[PROMPT_ROWS];
+    for (int m = 0; m < PROMPT_ROWS; m++) acc[m] = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8((char)0x80);  /* unsigned, as q8_block takes them; xs' shift corrects */
+    long k = 0;
+    for (; k + Q8_BLOCK <= in; k += Q8_BLOCK) {
+        const __m512i w0 = _mm512_xor_si512(sixteen_of_each(w, in, k), flip),
+                      w1 = _mm512_xor_si512(sixteen_of_each(w, in, k + 16), flip),
+                      w2 = _mm512_xor_si512(sixteen_of_each(w, in, k + 32), flip),
+                      w3 = _mm512_xor_si512(sixteen_of_each(w, in, k + 48), flip);
+        for (int m = 0; m < PROMPT_ROWS; m++) {
+            const int8_t *q = xs[m]->q + k;
+            __m512i sums = times_sixteen(_mm512_setzero_si512(), w0, q);
+            sums = times_sixteen(times_sixteen(times_sixteen(sums, w1, q + 16), w2, q + 32), w3, q + 48);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(xs[m]->d[k / Q8_BLOCK]), acc[m]);
+        }
+    }
+    prompt_sums(acc, v);
+    for (int m = 0; m < PROMPT_ROWS; m++)
+        for (int r = 0; r < 4; r++) {
+            float sum = v[m * 4 + r] + xs[m]->shift;
+            if (k < in) {  /* the last block, short, signed as it is */
+                int32_t tail = 0;
+                for (long t = k; t < in; t++) tail += w[r * in + t] * xs[m]->q[t];
+                sum = fmaf((float)tail, xs[m]->d[k / Q8_BLOCK], sum);
+            }
+            v[m * 4 + r] = sum;
+        }
+}
+
+/* 4-bit weight rows 0..3 of `w` (`stride` bytes apart, their scales `scales` apart in d) by PROMPT_ROWS input rows
+ * xs, whose blocks of 32 values sum to sums32[m][block]: row m's four outputs into v. A block's lanes start from
+ * -2 times its inputs' sum, so that a row's four lanes take -8 times it, as (q - 8) asks */
+static void prompt_tile_q4(const uint8_t *restrict w, long stride, const uint16_t *restrict d, long scales, long in,
+                           const struct q8row *const *xs, const int32_t *const *sums32, float *v) {
+    __m512 acc[PROMPT_ROWS];
+    for (int m = 0; m < PROMPT_ROWS; m++) acc[m] = _mm512_setzero_ps();
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (long k = 0; k < in; k += 32) {
+        const long b = k / 32;
+        const __m512i first = sixteen_q4(w, stride, k, in), second = sixteen_q4(w, stride, k + 16, in);
+        const __m128 dw = _mm_cvtph_ps(_mm_setr_epi16((short)d[b], (short)d[scales + b], (short)d[2 * scales + b],
+                                                      (short)d[3 * scales + b], 0, 0, 0, 0));
+        const __m512 rows_d = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(dw));
+        for (int m = 0; m < PROMPT_ROWS; m++) {
+            const int8_t *q = xs[m]->q + k;
+            __m512i sums = times_sixteen(_mm512_set1_epi32(-2 * sums32[m][b]), first, q);
+            sums = times_sixteen(sums, second, q + 16);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
+                                     _mm512_mul_ps(rows_d, _mm512_set1_ps(xs[m]->d[k / Q8_BLOCK])), acc[m]);
+        }
+    }
+    prompt_sums(acc, v);
+}
+#else
+#define PROMPT_TILES 0
+#endif
+
+/* `rows` input rows (any number) by an int8 (kind W_INT8) or 4-bit (W_Q4) matrix, as rows_by takes them; `scratch`
+ * holds rows * (meshnet_q8_floats(in) + in / 32) floats. Without AVX-512 VNNI, MAX_ROWS rows at a time by rows_by */
+static void prompt_by(int kind, const void *w, const uint16_t *scale, const void *x, const void *bias, void *y,
+                      long rows, long out, long in, int dtype, float *scratch) {
+    const long size = dtype == F32 ? 4 : 2;
+    if (!PROMPT_TILES) {
+        for (long m = 0; m < rows; m += MAX_ROWS)
+            rows_by(kind, w, scale, (const char *)x + m * in * size, bias, (char *)y + m * out * size,
+                    rows - m < MAX_ROWS ? rows - m : MAX_ROWS, out, in, dtype, scratch);
+        return;
+    }
+#if PROMPT_TILES
+    struct row *xs = malloc(rows * sizeof *xs);
+    if (!xs) return;
+    int32_t *sums = (int32_t *)(scratch + rows * Q8_FLOATS(in));  /* each row's blocks of 32: their inputs' sums */
+#pragma omp parallel for schedule(static)
+    for (long m = 0; m < rows; m++) {
+        xs[m].q = q8_at(scratch + m * Q8_FLOATS(in), in);
+        quantize_q8((const char *)x + m * in * size, in, dtype, &xs[m].q);
+        if (kind == W_Q4)
+            for (long b = 0; b < in / 32; b++) {
+                int32_t s = 0;
+                for (int t = 0; t < 32; t++) s += xs[m].q.q[32 * b + t];
+                sums[m * (in / 32) + b] = s;
+            }
+    }
+    const long tiles = out / 4;
+    /* input rows taken against every weight row at a time: as many as keep their quantized values in a second-level
+     * cache (PROMPT_CACHE bytes), so that they are read from it, not from memory, for each four weight rows */
+    long chunk = PROMPT_CACHE / in / PROMPT_ROWS * PROMPT_ROWS;
+    if (chunk < PROMPT_ROWS) chunk = PROMPT_ROWS;
+    for (long c0 = 0; c0 < rows; c0 += chunk) {
+    const long c1 = rows - c0 < chunk ? rows : c0 + chunk;
+#pragma omp parallel for schedule(static)
+    for (long r0 = 0; r0 < out; r0 += 4) {
+        float v[PROMPT_ROWS * 4];
+        for (long m0 = c0; m0 < c1; m0 += PROMPT_ROWS) {
+            const long count = c1 - m0 < PROMPT_ROWS ? c1 - m0 : PROMPT_ROWS;
+            const struct q8row *tile[PROMPT_ROWS];
+            const int32_t *tile_sums[PROMPT_ROWS];
+            for (int m = 0; m < PROMPT_ROWS; m++) {  /* a short last tile repeats its last row */
+                const long row = m0 + (m < count ? m : count - 1);
+                tile[m] = &xs[row].q, tile_sums[m] = sums + row * (in / 32);
+            }
+            if (r0 / 4 < tiles && kind == W_INT8) prompt_tile_q8((const int8_t *)w + r0 * in, in, tile, v);
+            else if (r0 / 4 < tiles)
+                prompt_tile_q4((const uint8_t *)w + r0 * (in / 2), in / 2, scale + r0 * (in / 32), in / 32, in, tile,
+                               tile_sums, v);
+            else
+                for (long m = 0; m < count; m++)
+                    for (long r = r0; r < out; r++)
+                        v[m * 4 + r - r0] = kind == W_INT8 ? dot_q8((const int8_t *)w + r * in, tile[m], in)
+                                                           : dot_q4((const uint8_t *)w + r * (in / 2),
+                                                                    scale + r * (in / 32), tile[m], in);
+            for (long m = 0; m < count; m++)
+                for (long r = r0; r < out && r < r0 + 4; r++) {
+                    const float value = kind == W_INT8 ? v[m * 4 + r - r0] * from_bf16(scale[r]) : v[m * 4 + r - r0];
+                    store(y, (m0 + m) * out + r, bias ? value + load(bias, r, dtype) : value, dtype);
+                }
+        }
+    }
+    }
+    free(xs);
+#endif
+}
+
+void meshnet_gemm_int8(const int8_t *w, const uint16_t *scale, const void *x, const void *bias, void *y, long rows,
+                       long out, long in, int dtype, float *scratch) {
+    prompt_by(W_INT8, w, scale, x, bias, y, rows, out, in, dtype, scratch);
+}
+
+void meshnet_gemm_q4(const uint8_t *w, const uint16_t *scale, const void *x, const void *bias, void *y, long rows,
+                     long out, long in, int dtype, float *scratch) {
+    prompt_by(W_Q4, w, scale, x, bias, y, rows, out, in, dtype, scratch);
 }
 
 /* rows by 4-bit weights `w` (in a multiple of 32) with float16 block scales `scale` [out, in / 32], each input row

@@ -30,7 +30,7 @@ BLOCK = 32  # values per float16 scale
 RUN = 128  # values per 64 bytes: byte j holds value j (low half) and j + 64 (high half); then runs of 64 and 32
 CHUNK_BYTES = 16 << 20  # a prompt's product dequantizes at most this many bytes of weights at a time; a quantizer
 # takes as many bytes of float32 rows at a time
-BLOCKED_ROWS = 48  # a prompt of up to this many rows goes through the native kernel 16 at a time, not dequantized
+TILED_ROWS = 64  # a prompt of up to this many rows goes through the native prompt tiles, a longer one dequantized
 
 
 def quantize(weight: torch.Tensor, mappings: list[tuple[int, int]] | None = None
@@ -129,15 +129,15 @@ class Int4WeightLinear(nn.Module):
 def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """``x [..., in]`` by the 4-bit matrix ``packed [out, in / 2]`` with ``scale [out, in / 32]``: up to
-    :data:`~daemon.model.native.MAX_ROWS` rows natively (a decode step), up to :data:`BLOCKED_ROWS` (a short
-    prompt) natively that many at a time, more by torch over the weights dequantized :data:`CHUNK_BYTES` at a time
-    (natively where the library is built)."""
+    :data:`~daemon.model.native.MAX_ROWS` rows natively (a decode step), up to :data:`TILED_ROWS` (a short prompt)
+    by the native prompt tiles (:func:`~daemon.model.native.gemm_q4`), more by torch over the weights dequantized
+    :data:`CHUNK_BYTES` at a time (natively where the library is built)."""
     columns, out_features = packed.shape[1] * 2, packed.shape[0]
     native_here = packed.device.type == "cpu" and native.library() is not None
     if native_here and x.numel() <= native.MAX_ROWS * columns:
         return native.gemv_q4(x, packed, scale, columns, bias)
-    if native_here and x.numel() <= BLOCKED_ROWS * columns:
-        return native.in_blocks(native.gemv_q4, x, packed, scale, columns, bias)
+    if native_here and x.numel() <= TILED_ROWS * columns:
+        return native.gemm_q4(x, packed, scale, columns, bias)
     rows = x.reshape(-1, columns)
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype, device=x.device)
     step = max(1, CHUNK_BYTES // (columns * x.element_size()))

@@ -74,6 +74,12 @@ class Library:
         self.gemv_int8 = lib.meshnet_gemv_int8
         self.gemv_int8.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
         self.gemv_int8.restype = None
+        self.gemm_int8 = lib.meshnet_gemm_int8
+        self.gemm_int8.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
+        self.gemm_int8.restype = None
+        self.gemm_q4 = lib.meshnet_gemm_q4
+        self.gemm_q4.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
+        self.gemm_q4.restype = None
         self.gemv_q4 = lib.meshnet_gemv_q4
         self.gemv_q4.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
         self.gemv_q4.restype = None
@@ -284,15 +290,35 @@ def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: 
     return y
 
 
-def in_blocks(product, x: torch.Tensor, *weights) -> torch.Tensor:
-    """``product`` (:func:`gemv_int8`, :func:`gemv_q4`) of more than :data:`MAX_ROWS` rows (a prompt's), that many
-    at a time: each row's outputs its own, bit for bit, as in a decode step. A pass over the weights for each 16
-    rows, but 16 rows by int8 products keep both cores busy: on a 2-core Xeon, 39 to 512 rows by int8 matrices
-    took 0.5-0.8x the time PyTorch's int8-weight kernel took, and up to 48 rows by 4-bit ones 0.55-1.0x the time
-    the weights dequantized for a float32 product took (``tests/unit/test_native.py``; BENCHMARKS.md)."""
-    rows = x.reshape(-1, x.shape[-1])
-    out = torch.cat([product(rows[first:first + MAX_ROWS], *weights) for first in range(0, rows.shape[0], MAX_ROWS)])
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+def gemm_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """:func:`gemv_int8`'s product for any number of rows (a prompt's): each row quantized as there, four weight rows
+    by eight input rows at a time (``meshnet_gemm_int8``); each row's outputs within float32 rounding of
+    :func:`gemv_int8`'s and independent of the rows beside it."""
+    if (x.dtype not in _DTYPES or weight.dtype != torch.int8 or scale.dtype != torch.bfloat16
+            or not weight.is_contiguous() or not scale.is_contiguous() or x.shape[-1] != weight.shape[1]):
+        raise ValueError("gemm_int8 takes float32 or bfloat16 rows by a contiguous int8 matrix with bfloat16 scales")
+    return _prompt(library().gemm_int8, x, weight, scale, weight.shape[1], bias)
+
+
+def gemm_q4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, columns: int,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`gemv_q4`'s product for any number of rows (a prompt's), as :func:`gemm_int8` is :func:`gemv_int8`'s
+    (``meshnet_gemm_q4``)."""
+    if (x.dtype not in _DTYPES or packed.dtype != torch.uint8 or scale.dtype != torch.float16 or columns % 32
+            or packed.shape[1] * 2 != columns or scale.shape != (packed.shape[0], columns // 32)
+            or not packed.is_contiguous() or not scale.is_contiguous() or x.shape[-1] != columns):
+        raise ValueError("gemm_q4 takes float32 or bfloat16 rows by a contiguous 4-bit matrix with float16 scales")
+    return _prompt(library().gemm_q4, x, packed, scale, columns, bias)
+
+
+def _prompt(product, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, columns: int,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    x, bias, y, rows = _rows_by(x, bias, weight.shape[0], columns)
+    work = torch.empty(rows * (library().q8_floats(columns) + columns // 32), dtype=torch.float32)  # rows quantized
+    product(weight.data_ptr(), scale.data_ptr(), x.data_ptr(), _pointer(bias), y.data_ptr(), rows, weight.shape[0],
+            columns, _DTYPES[x.dtype], work.data_ptr())
+    return y
 
 
 def gemv_q4(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, columns: int,

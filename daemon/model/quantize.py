@@ -8,8 +8,9 @@ llama.cpp's Q8_0 files hold theirs. Embeddings never are. Two int8 methods:
 - ``int8``: a decode step's rows (up to 16: one session's, or a batch's) are multiplied by the native
   kernel (:mod:`daemon.model.native`): it quantizes each row to int8 in blocks of 64 values and sums
   exact integer products, each block's scaled in float32, much as llama.cpp multiplies its Q8_0
-  weights; a row's result is the same alone or in a batch. Longer products (prompts) go through it 16
-  rows at a time (0.5-0.8x the time of PyTorch's kernel for 39-512 rows on a 2-core Xeon). Machines
+  weights; a row's result is the same alone or in a batch. Longer products (prompts) take its prompt
+  tiles (``meshnet_gemm_int8``: four weight rows by eight input rows, the same integer sums added in
+  another order, within float32 rounding of a decode step's). Machines
   without the native kernel run PyTorch's own int8-weight kernel (``aten._weight_int8pack_mm``) in
   bfloat16, whatever the shard's compute dtype (float32 or bfloat16): a layer's inputs are rounded to
   bfloat16 for the kernel and its outputs cast back. Only on devices the kernel exists for (CPU). On a
@@ -170,7 +171,7 @@ def _import_torchao() -> None:
 
 class Int8WeightLinear(nn.Module):
     """An ``nn.Linear`` with int8 weights and one scale per output row: a decode step's few rows by the native
-    kernel, a prompt's 16 at a time; without the native kernel, by PyTorch's int8-weight kernel.
+    kernel, a prompt's by its prompt tiles; without the native kernel, by PyTorch's int8-weight kernel.
 
     The weight is called ``weight_int8``, not ``weight``: code that reads ``proj.weight.dtype`` to
     cast activations would silently cast them to int8; this way it fails loudly instead.
@@ -201,10 +202,10 @@ class Int8WeightLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if native.library() is not None:  # a decode step's few rows at once, a prompt's 16 at a time
+        if native.library() is not None:  # a decode step's few rows, each as alone; a prompt's in tiles of its own
             if hidden.numel() <= native.MAX_ROWS * self.in_features:
                 return native.gemv_int8(hidden, self.weight_int8, self.scale, self.bias)
-            return native.in_blocks(native.gemv_int8, hidden, self.weight_int8, self.scale, self.bias)
+            return native.gemm_int8(hidden, self.weight_int8, self.scale, self.bias)
         rows = hidden.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()  # [tokens, in]
         out = torch._weight_int8pack_mm(rows, self.weight_int8, self.scale)  # [tokens, out]
         out = out.reshape(*hidden.shape[:-1], self.out_features).to(hidden.dtype)

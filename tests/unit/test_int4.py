@@ -63,6 +63,8 @@ def int4_product(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, col
 
 
 def assert_products_as_defined(dtype):
+    """Rows by 4-bit weights give tests/support's products (runs of 128, 64 and 32; a block of zeros), each row the same
+    alone as beside others; a prompt's rows (gemm_q4, in tiles of eight) too, each whatever rows are beside it."""
     torch.manual_seed(3)
     for out_features, in_features in ((300, 576), (64, 1536), (5, 96), (33, 160), (7, 32)):
         packed, scale = int4.quantize(torch.randn(out_features, in_features))
@@ -76,6 +78,15 @@ def assert_products_as_defined(dtype):
         assert (got.double() - want).abs().max() <= bound * want.abs().max(), (out_features, in_features)
         alone = torch.cat([native.gemv_q4(x[m:m + 1], packed, scale, in_features, bias) for m in range(4)])
         assert torch.equal(got, alone)
+        prompt = torch.randn(21, in_features).to(dtype)  # a prompt's rows: two tiles of eight and a short one
+        prompt[3, 32:64] = 0
+        tiled = native.gemm_q4(prompt, packed, scale, in_features, bias)
+        want = int4_product(prompt, packed, scale, in_features, bias)
+        assert tiled.dtype == dtype and tiled.shape == (21, out_features)
+        assert (tiled.double() - want).abs().max() <= bound * want.abs().max(), (out_features, in_features)
+        assert torch.equal(native.gemm_q4(prompt[5:16], packed, scale, in_features, bias), tiled[5:16])
+    with pytest.raises(ValueError, match="gemm_q4"):
+        native.gemm_q4(prompt[:, 1:], packed, scale, in_features)  # not the matrix's row length
 
 
 @needs_library
@@ -113,26 +124,29 @@ def test_native_dequantization_is_torchs_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_long_prompt_multiplies_the_dequantized_weights_and_a_short_one_goes_16_rows_at_a_time(dtype, monkeypatch):
-    """More than BLOCKED_ROWS rows: torch's product over the weights dequantized a chunk of rows at a time (chunks
-    made small here), the same with the native dequantization as with torch's; up to BLOCKED_ROWS: the native
-    product 16 rows at a time, each row's outputs what they are alone (as in a decode step)."""
+def test_a_long_prompt_multiplies_the_dequantized_weights_and_a_short_one_takes_the_prompt_tiles(dtype, monkeypatch):
+    """More than TILED_ROWS rows: torch's product over the weights dequantized a chunk of rows at a time (chunks
+    made small here), the same with the native dequantization as with torch's; up to TILED_ROWS: the native prompt
+    tiles, each row within float32 rounding of what a decode step gives it alone."""
     torch.manual_seed(5)
     linear = int4.Int4WeightLinear(nn.Linear(256, 384).to(dtype))
     monkeypatch.setattr(int4, "CHUNK_BYTES", 100 * 256 * 4)  # four chunks of 100 rows or fewer
-    prompt = torch.randn(1, int4.BLOCKED_ROWS + 12, 256).to(dtype)
+    prompt = torch.randn(1, int4.TILED_ROWS + 12, 256).to(dtype)
     weights = int4.dequantize(linear.weight_q4, linear.scale, 256, dtype)
     with torch.inference_mode():
         got = linear(prompt)
-        assert got.dtype == dtype and got.shape == (1, int4.BLOCKED_ROWS + 12, 384)
+        assert got.dtype == dtype and got.shape == (1, int4.TILED_ROWS + 12, 384)
         want = F.linear(prompt, weights, linear.bias)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max() if dtype == torch.float32 else \
             (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
         if native.library() is not None:
-            short = prompt[:, :int4.BLOCKED_ROWS - 7]  # 41 rows: 16, 16 and 9
+            short = prompt[:, :int4.TILED_ROWS - 23]  # 41 rows: tiles of 8, the last one short
+            tiled = linear(short)
+            assert torch.equal(tiled, native.gemm_q4(short, linear.weight_q4, linear.scale, 256, linear.bias))
             alone = torch.cat([native.gemv_q4(short[:, r:r + 1], linear.weight_q4, linear.scale, 256, linear.bias)
                                for r in range(short.shape[1])], dim=1)
-            assert torch.equal(linear(short), alone)
+            bound = 2e-6 if dtype == torch.float32 else 2 ** -8
+            assert (tiled.float() - alone.float()).abs().max() <= bound * alone.float().abs().max()
             assert (alone.float() - want[:, :short.shape[1]].float()).abs().max() <= \
                 2 ** -5 * want.float().abs().max()  # the inputs quantized to 8 bits, as in a decode step
             monkeypatch.setattr(native, "library", lambda: None)

@@ -106,7 +106,8 @@ def _product(kind: str, weight: torch.Tensor):
 
 def assert_int8_products_as_defined(dtype):
     """Rows by int8 weights (-128 included) give tests/support/q8.py's products: whole blocks of 64 inputs and a
-    last partial one, each row the same alone as beside others; the quantized inputs really are quantized."""
+    last partial one, each row the same alone as beside others; the quantized inputs really are quantized. A
+    prompt's rows (gemm_int8, in tiles of eight) too, each row's outputs whatever rows are beside it."""
     torch.manual_seed(2)
     for out_features, in_features in ((300, 200), (64, 576), (5, 1000)):
         q = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
@@ -123,8 +124,17 @@ def assert_int8_products_as_defined(dtype):
         assert (unquantized - want).abs().max() > 1e-4 * want.abs().max()  # the inputs' quantization shows
         alone = torch.cat([native.gemv_int8(x[m:m + 1], q, scale, bias) for m in range(4)])
         assert torch.equal(got, alone)
+        prompt = torch.randn(21, in_features).to(dtype)  # a prompt's rows: two tiles of eight and a short one
+        prompt[3, 64:128] = 0
+        tiled = native.gemm_int8(prompt, q, scale, bias)
+        want = int8_product(prompt, q, scale, bias)
+        assert tiled.dtype == dtype and tiled.shape == (21, out_features)
+        assert (tiled.double() - want).abs().max() <= bound * want.abs().max()
+        assert torch.equal(native.gemm_int8(prompt[5:16], q, scale, bias), tiled[5:16])  # whatever rows beside it
     with pytest.raises(ValueError, match="int8"):
         native.gemv_int8(x, q.t(), scale)  # not contiguous rows
+    with pytest.raises(ValueError, match="gemm_int8"):
+        native.gemm_int8(x[:, 1:], q, scale)  # not the matrix's row length
 
 
 @needs_library

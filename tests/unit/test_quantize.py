@@ -170,8 +170,9 @@ def test_int8_linear_computes_with_its_int8_weights(method):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_multiplies_rows_natively_and_without_the_library_with_pytorchs_kernel(dtype, monkeypatch):
     """Up to 16 rows (a session's decode step, or a batch of them): the native kernel, its int8 inputs as
-    defined in tests/support/q8.py, each row as it comes alone; 17 rows or more (a prompt): 16 at a time, each row
-    still as it comes alone; without the native library, PyTorch's int8-weight kernel, bit for bit."""
+    defined in tests/support/q8.py, each row as it comes alone; 17 rows or more (a prompt): the native prompt tiles,
+    each row within float32 rounding of its decode step's product; without the native library, PyTorch's int8-weight
+    kernel, bit for bit."""
     torch.manual_seed(0)
     layer = nn.Sequential(nn.Linear(256, 384)).to(dtype)
     quantize_layers([layer], "int8")
@@ -186,7 +187,9 @@ def test_int8_multiplies_rows_natively_and_without_the_library_with_pytorchs_ker
         assert (got.double() - want).abs().max() <= bound * want.abs().max()
         assert torch.equal(layer(rows[:, 3:4]), got[:, 3:4])
         prompt = torch.randn(1, 37, 256).to(dtype)
-        assert torch.equal(layer(prompt), torch.cat([layer(prompt[:, r:r + 1]) for r in range(37)], dim=1))
+        tiled, alone = layer(prompt), torch.cat([layer(prompt[:, r:r + 1]) for r in range(37)], dim=1)
+        assert torch.equal(tiled, native.gemm_int8(prompt, linear.weight_int8, linear.scale, linear.bias))
+        assert (tiled.double() - alone.double()).abs().max() <= bound * alone.double().abs().max()
         monkeypatch.setattr(native, "library", lambda: None)
         kernel = torch._weight_int8pack_mm(prompt[0].to(torch.bfloat16), linear.weight_int8, linear.scale)
         assert torch.equal(layer(prompt), (kernel.to(dtype) + linear.bias).unsqueeze(0))
