@@ -800,39 +800,12 @@ static void prompt_tile_q4(const uint8_t *restrict w, long stride, const uint16_
 #define PROMPT_TILES 0
 #endif
 
-/* `rows` input rows (any number) by an int8 (kind W_INT8) or 4-bit (W_Q4) matrix, as rows_by takes them; `scratch`
- * holds rows * (meshnet_q8_floats(in) + in / 32) floats. Without AVX-512 VNNI, MAX_ROWS rows at a time by rows_by */
-static void prompt_by(int kind, const void *w, const uint16_t *scale, const void *x, const void *bias, void *y,
-                      long rows, long out, long in, int dtype, float *scratch) {
-    const long size = dtype == F32 ? 4 : 2;
-    if (!PROMPT_TILES) {
-        for (long m = 0; m < rows; m += MAX_ROWS)
-            rows_by(kind, w, scale, (const char *)x + m * in * size, bias, (char *)y + m * out * size,
-                    rows - m < MAX_ROWS ? rows - m : MAX_ROWS, out, in, dtype, scratch);
-        return;
-    }
 #if PROMPT_TILES
-    struct row *xs = malloc(rows * sizeof *xs);
-    if (!xs) return;
-    int32_t *sums = (int32_t *)(scratch + rows * Q8_FLOATS(in));  /* each row's blocks of 32: their inputs' sums */
-#pragma omp parallel for schedule(static)
-    for (long m = 0; m < rows; m++) {
-        xs[m].q = q8_at(scratch + m * Q8_FLOATS(in), in);
-        quantize_q8((const char *)x + m * in * size, in, dtype, &xs[m].q);
-        if (kind == W_Q4)
-            for (long b = 0; b < in / 32; b++) {
-                int32_t s = 0;
-                for (int t = 0; t < 32; t++) s += xs[m].q.q[32 * b + t];
-                sums[m * (in / 32) + b] = s;
-            }
-    }
+/* input rows c0..c1-1 of xs (quantized, with the sums of their blocks of 32 for 4-bit weights) by every weight row,
+ * four weight rows to a thread's turn; the rows that do not fill a tile of four one at a time */
+static void prompt_chunk(int kind, const void *w, const uint16_t *scale, const struct row *xs, const int32_t *sums,
+                         const void *bias, void *y, long c0, long c1, long out, long in, int dtype) {
     const long tiles = out / 4;
-    /* input rows taken against every weight row at a time: as many as keep their quantized values in a second-level
-     * cache (PROMPT_CACHE bytes), so that they are read from it, not from memory, for each four weight rows */
-    long chunk = PROMPT_CACHE / in / PROMPT_ROWS * PROMPT_ROWS;
-    if (chunk < PROMPT_ROWS) chunk = PROMPT_ROWS;
-    for (long c0 = 0; c0 < rows; c0 += chunk) {
-    const long c1 = rows - c0 < chunk ? rows : c0 + chunk;
 #pragma omp parallel for schedule(static)
     for (long r0 = 0; r0 < out; r0 += 4) {
         float v[PROMPT_ROWS * 4];
@@ -861,7 +834,40 @@ static void prompt_by(int kind, const void *w, const uint16_t *scale, const void
                 }
         }
     }
+}
+#endif
+
+/* `rows` input rows (any number) by an int8 (kind W_INT8) or 4-bit (W_Q4) matrix, as rows_by takes them; `scratch`
+ * holds rows * (meshnet_q8_floats(in) + in / 32) floats. The input rows go against every weight row as many at a time
+ * as keep their quantized values in a second-level cache (PROMPT_CACHE bytes), so that they are read from it, not
+ * from memory, for each four weight rows */
+static void prompt_by(int kind, const void *w, const uint16_t *scale, const void *x, const void *bias, void *y,
+                      long rows, long out, long in, int dtype, float *scratch) {
+    const long size = dtype == F32 ? 4 : 2;
+    struct row *xs = PROMPT_TILES && rows > 0 ? malloc(rows * sizeof *xs) : NULL;
+    if (!xs) {  /* no tiles here (no AVX-512 VNNI, or no memory for them): MAX_ROWS rows at a time by rows_by */
+        for (long m = 0; m < rows; m += MAX_ROWS)
+            rows_by(kind, w, scale, (const char *)x + m * in * size, bias, (char *)y + m * out * size,
+                    rows - m < MAX_ROWS ? rows - m : MAX_ROWS, out, in, dtype, scratch);
+        return;
     }
+#if PROMPT_TILES
+    int32_t *sums = (int32_t *)(scratch + rows * Q8_FLOATS(in));  /* each row's blocks of 32: their inputs' sums */
+#pragma omp parallel for schedule(static)
+    for (long m = 0; m < rows; m++) {
+        xs[m].q = q8_at(scratch + m * Q8_FLOATS(in), in);
+        quantize_q8((const char *)x + m * in * size, in, dtype, &xs[m].q);
+        if (kind == W_Q4)
+            for (long b = 0; b < in / 32; b++) {
+                int32_t s = 0;
+                for (int t = 0; t < 32; t++) s += xs[m].q.q[32 * b + t];
+                sums[m * (in / 32) + b] = s;
+            }
+    }
+    long chunk = PROMPT_CACHE / in / PROMPT_ROWS * PROMPT_ROWS;
+    if (chunk < PROMPT_ROWS) chunk = PROMPT_ROWS;
+    for (long c0 = 0; c0 < rows; c0 += chunk)
+        prompt_chunk(kind, w, scale, xs, sums, bias, y, c0, rows - c0 < chunk ? rows : c0 + chunk, out, in, dtype);
     free(xs);
 #endif
 }
