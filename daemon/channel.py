@@ -19,6 +19,12 @@ time. Only one-position decode steps travel this way (a prompt's long steps stay
 answers anything else with a 400 frame. The channel is plain TCP: a node reached over TLS is sent its steps on
 ``POST /forward``.
 
+A request frame with an empty header block *continues* the channel's last step: its headers again, with
+``X-Meshnet-Past-Len`` one more (:func:`continues`). A head's decode steps differ from one token to the next in
+that header alone, and reading a header block and checking it again is Python that runs cold after a step's
+layers, once per hop per token. A node takes a continuation only after its last step on the channel answered
+200 and carried no penalty history (:mod:`daemon.server.channel`).
+
 The same frames, one after another, make the body of ``POST /forward/batch`` and its answer: several sessions'
 steps for one node in one request (:func:`requests_in`, :func:`replies_in`; :mod:`daemon.server.batch`).
 """
@@ -32,6 +38,7 @@ from collections.abc import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from daemon import wire
 from daemon.wire import header_lines
 
 PATH = "/v1/steps"
@@ -40,6 +47,7 @@ REQUEST = struct.Struct(">II")
 REPLY = struct.Struct(">HII")
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a one-position step with a long penalty history is far below this
+FIRST_READ = 64 * 1024  # a frame's first read takes up to this much
 FRAME_SECONDS = 5.0  # a frame whose first bytes came must be whole within this: a slow peer cannot hold the thread
 
 
@@ -71,23 +79,30 @@ def reply_frame(status: int, headers: Mapping[str, str], body: bytes | bytearray
     return b"".join((REPLY.pack(status, len(block), len(body)), block, body))
 
 
-def read_request(sock: socket.socket) -> tuple[CIMultiDictProxy[str], bytearray] | None:
-    """The next request frame, its first bytes already arrived; None where the peer closed between frames."""
-    lengths = _read(sock, REQUEST.size, first=True)
-    if lengths is None:
+def continues(last: Mapping[str, str], headers: Mapping[str, str]) -> bool:
+    """Whether a step with ``headers`` is the step after one sent with ``last``: the same headers, with
+    ``X-Meshnet-Past-Len`` one more. Its frame then goes with an empty header block."""
+    past, before = headers.get(wire.PAST_LEN), last.get(wire.PAST_LEN)
+    if past is None or before is None or not before.isdigit() or past != str(int(before) + 1):
+        return False
+    return len(headers) == len(last) and all(last.get(name) == value for name, value in headers.items()
+                                             if name != wire.PAST_LEN)
+
+
+def read_request(sock: socket.socket) -> tuple[CIMultiDictProxy[str] | None, bytearray] | None:
+    """The next request frame, its first bytes already arrived: its headers (None for an empty header block, a
+    continuation) and body; None where the peer closed between frames."""
+    frame = _read_frame(sock, REQUEST, first=True)
+    if frame is None:
         return None
-    header_bytes, body_bytes = REQUEST.unpack(lengths)
-    _check(header_bytes, body_bytes)
-    return parse_headers(_read(sock, header_bytes)), _read(sock, body_bytes)
+    _, block, body = frame
+    return (parse_headers(block) if block else None), body
 
 
 def read_reply(sock: socket.socket) -> tuple[int, CIMultiDictProxy[str], bytearray, int]:
     """The reply frame now arriving: status, headers, body and the frame's size in bytes."""
-    lengths = _read(sock, REPLY.size)
-    status, header_bytes, body_bytes = REPLY.unpack(lengths)
-    _check(header_bytes, body_bytes)
-    headers = parse_headers(_read(sock, header_bytes))
-    return status, headers, _read(sock, body_bytes), REPLY.size + header_bytes + body_bytes
+    status, block, body = _read_frame(sock, REPLY)
+    return status, parse_headers(block), body, REPLY.size + len(block) + len(body)
 
 
 def requests_in(data: bytes | bytearray) -> list[tuple[CIMultiDictProxy[str], bytearray]]:
@@ -121,6 +136,34 @@ def _check(header_bytes: int, body_bytes: int) -> None:
     if header_bytes > MAX_HEADER_BYTES or body_bytes > MAX_BODY_BYTES:
         raise ChannelClosed(f"a frame of {header_bytes} header and {body_bytes} body bytes is over the limits "
                             f"({MAX_HEADER_BYTES} and {MAX_BODY_BYTES})")
+
+
+def _read_frame(sock: socket.socket, layout: struct.Struct, *, first: bool = False
+                ) -> tuple[int, bytearray, bytearray] | None:
+    """A whole frame: its status (0 for a request), header block and body. A step's frame is a few KiB and most
+    often all there: one read takes it, the rest (a long body) is read after it."""
+    try:
+        got = sock.recv(FIRST_READ, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        got = b""
+    except OSError as exc:
+        raise ChannelClosed(f"the peer broke the channel ({exc})") from None
+    if not got and first:  # nothing yet (woken early) or a clean close: the slow path tells which
+        rest = _read(sock, layout.size, first=True)
+        if rest is None:
+            return None
+        got = bytes(rest)
+    if len(got) < layout.size:
+        got += _read(sock, layout.size - len(got))
+    *status, header_bytes, body_bytes = layout.unpack_from(got)
+    _check(header_bytes, body_bytes)
+    size = layout.size + header_bytes + body_bytes
+    if len(got) > size:
+        raise ChannelClosed(f"{len(got) - size} bytes after a frame: one step is in flight at a time")
+    frame = bytearray(got) + _read(sock, size - len(got)) if len(got) < size else bytearray(got)
+    view = memoryview(frame)
+    block, body = bytes(view[layout.size:layout.size + header_bytes]), bytearray(view[layout.size + header_bytes:])
+    return (status[0] if status else 0), block, body
 
 
 def _read(sock: socket.socket, size: int, *, first: bool = False) -> bytearray | None:

@@ -57,12 +57,15 @@ class StepChannel:
         self.sock = sock
         self.busy = False  # a walk holds it
         self.closed = False
+        self._last: Mapping[str, str] | None = None  # the headers of the last step the node answered 200
 
     def exchange(self, headers: Mapping[str, str], body, *, timeout: float, wait: Wait) -> HopResponse:
         """Send one step and read its answer within ``timeout`` seconds, asleep meanwhile (``wait``: the torch
         thread's, which puts its OpenMP team to sleep before the step is written, so the node it wakes finds the
-        cores free). :class:`channel.ChannelClosed` when the node hangs up, ``TimeoutError`` when it is late."""
-        frame = channel.request_frame(headers, body)
+        cores free). :class:`channel.ChannelClosed` when the node hangs up, ``TimeoutError`` when it is late.
+        The step after one the node answered goes without its headers (:func:`channel.continues`)."""
+        last, self._last = self._last, None
+        frame = channel.request_frame({} if last is not None and channel.continues(last, headers) else headers, body)
         try:
             answered = wait(self.sock, frame, timeout)
         except OSError as exc:
@@ -70,6 +73,8 @@ class StepChannel:
         if not answered:
             raise TimeoutError
         status, reply_headers, reply_body, received = channel.read_reply(self.sock)
+        if status == 200 and wire.HISTORY not in headers:
+            self._last = headers
         return HopResponse(status, reply_headers, bytes(reply_body), len(frame), received)
 
     def close(self) -> None:

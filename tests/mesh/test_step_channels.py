@@ -19,6 +19,7 @@ import torch
 
 from daemon import channel
 from tests.support.headers import CACHE, DTYPE, PAST_LEN, SESSION, SHAPE, START_LAYER
+from tests.support.http_client import send
 from tests.support.meshd import Daemon, start_mesh
 from tests.support.watch import wait_for
 
@@ -123,6 +124,41 @@ def test_a_channel_answers_each_step_as_post_forward_would_and_a_broken_frame_cl
     finally:
         sock.close()
     assert tail.get("/health")  # and the node serves on
+
+
+def test_a_frame_without_headers_continues_the_last_step_the_node_answered(mesh):
+    _, _, tail = mesh
+    prompt_shape, prompt = activation(4)
+    for session in ("in-full", "continued"):  # two sessions prefilled alike, decoded alike
+        reply = send("POST", tail.url + "/forward", prompt, prompt_shape | {
+            CACHE: "prefill", SESSION: session, "Authorization": f"Bearer {KEY}",
+            "Content-Type": "application/octet-stream"})
+        assert reply.status == 200, reply.body
+    inputs = [torch.randn(1, 1, HIDDEN, generator=torch.Generator().manual_seed(100 + i)).numpy().tobytes()
+              for i in range(4)]
+    shape = {DTYPE: "float32", SHAPE: f"1,1,{HIDDEN}"}
+    sock, head = raw_channel(tail)
+    try:
+        alone = step(sock, {}, inputs[0])  # nothing before it on this channel
+        assert alone[0] == 400 and alone[1]["error"]["param"] == PAST_LEN, alone
+        tokens = {}
+        for session in ("in-full", "continued"):
+            answers = [step(sock, {} if session == "continued" and i else
+                             shape | {CACHE: "decode", SESSION: session, PAST_LEN: str(4 + i)}, body)
+                       for i, body in enumerate(inputs)]
+            assert all(status == 200 for status, _ in answers), answers
+            tokens[session] = [answer["token_id"] for _, answer in answers]
+        assert tokens["continued"] == tokens["in-full"]
+        short = step(sock, {}, inputs[0][:-4])  # a body the step it continues would not take
+        assert short[0] == 400 and short[1]["error"]["param"] == "body", short
+        after = step(sock, {}, inputs[0])  # a refusal ends what a continuation may follow
+        assert after[0] == 400 and after[1]["error"]["param"] == PAST_LEN, after
+        missing = step(sock, shape | {CACHE: "decode", SESSION: "nobody-holds-this", PAST_LEN: "3"}, inputs[0])
+        assert missing[0] == 409, missing
+        assert step(sock, {}, inputs[0])[0] == 400  # nor does a cache miss
+        assert tail.get("/v1/status")["step_channels"] >= 1  # every refusal kept the channel open
+    finally:
+        sock.close()
 
 
 def test_a_plain_get_of_the_channel_path_is_refused(mesh):

@@ -141,7 +141,7 @@ def echo_steps(served: list[str]):
             return None
         headers, body = frame
         served.append(threading.current_thread().name)
-        if headers.get("X-Stop"):
+        if headers is not None and headers.get("X-Stop"):
             return None
         return channel.reply_frame(200, {}, body)
 
@@ -149,7 +149,7 @@ def echo_steps(served: list[str]):
 
 
 def exchange(sock: socket.socket, body: bytes, headers: dict | None = None) -> bytes:
-    sock.sendall(channel.request_frame(headers or {}, body))
+    sock.sendall(channel.request_frame(headers or {"X-Step": "1"}, body))
     return bytes(channel.read_reply(sock)[2])
 
 

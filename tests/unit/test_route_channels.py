@@ -19,7 +19,7 @@ import pytest
 
 from daemon import channel, wire
 from daemon.api import Hop, Sampling
-from daemon.errors import CacheMiss, HopFailed
+from daemon.errors import CacheMiss, HopFailed, UpstreamError
 from daemon.mesh.channels import StepChannels
 from daemon.mesh.hops import HopClient, HopReply
 from daemon.mesh.route_step import run_step
@@ -59,20 +59,37 @@ class Transport:
                            b'{"token_id": 99, "text": "x"}', len(body), 30)
 
 
-def tail_thread(sock: socket.socket, answers: list, delay: float = 0.0) -> list[dict]:
+class Seen(list):
+    """The headers of each step a tail read (a continuation's made from the step before it, as a node makes them),
+    and whether each came without its own (``continued``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.continued: list[bool] = []
+
+
+def tail_thread(sock: socket.socket, answers: list, delay: float = 0.0) -> Seen:
     """Answer request frames from ``answers`` in turn, ``delay`` seconds after each arrives: ``(status, json)``, or
     ``"close"`` to hang up unread."""
-    seen: list[dict] = []
+    seen = Seen()
 
     def serve():
+        last = None
         for answer in answers:
             frame = channel.read_request(sock)
             if frame is None:
                 return
-            seen.append(dict(frame[0]))
+            if frame[0] is None:
+                assert last is not None, "a continuation with no step the tail answered 200 before it"
+                headers = last | {wire.PAST_LEN: str(int(last[wire.PAST_LEN]) + 1)}
+            else:
+                headers = dict(frame[0])
+            seen.append(headers)
+            seen.continued.append(frame[0] is None)
             if answer == "close":
                 break
             status, body = answer
+            last = headers if status == 200 else None
             time.sleep(delay)
             sock.sendall(channel.reply_frame(status, {"Content-Type": "application/json"}, json.dumps(body).encode()))
         sock.close()
@@ -112,6 +129,33 @@ def test_decode_steps_go_over_the_channel_with_the_headers_post_forward_would_ca
         [("decode", str(7 + i), "2", "1") for i in range(3)]
     assert all(wire.SAMPLING in h and h[wire.SHAPE] == f"1,1,{H}" for h in seen)
     assert replies[0].sent_bytes > 0 and replies[0].received_bytes > 0
+    # each step after one the tail answered goes without its headers, which differ in the past length alone
+    assert seen.continued == [False, True, True]
+    assert replies[1].sent_bytes == replies[0].sent_bytes - len(wire.header_lines(seen[0]))
+
+
+def test_a_step_after_a_refusal_or_a_jump_or_with_a_history_carries_its_headers(mesh):
+    head, client, transport, tail = mesh
+    seen = tail_thread(tail, [(200, {"token_id": 1, "text": "a"}),
+                              (400, {"error": {"message": "no", "param": wire.SHAPE}}),
+                              (200, {"token_id": 2, "text": "b"}), (200, {"token_id": 3, "text": "c"}),
+                              (200, {"token_id": 4, "text": "d"}), (200, {"token_id": 5, "text": "e"})])
+    history = wire.History((1, 2), (3,))
+
+    async def main():
+        await step(head, client, 3)
+        with pytest.raises(UpstreamError):  # the refusal, raised as POST /forward's would be
+            await step(head, client, 4)  # after a 200: a continuation
+        await step(head, client, 5)  # after a refusal: in full
+        await step(head, client, 9)  # a jump in the past length: in full
+        await run_step(head, client, ROUTE, [5], mode="decode", session_id="s", past_len=10,
+                       sampling=Sampling(temperature=0.0, repetition_penalty=1.2), history=history)
+        await run_step(head, client, ROUTE, [5], mode="decode", session_id="s", past_len=11,
+                       sampling=Sampling(temperature=0.0, repetition_penalty=1.2), history=history)
+
+    asyncio.run(main())
+    assert seen.continued == [False, True, False, False, False, False]
+    assert [h[wire.PAST_LEN] for h in seen] == ["3", "4", "5", "9", "10", "11"]
 
 
 def test_a_channel_that_closes_mid_step_sends_that_step_on_post_forward(mesh):
