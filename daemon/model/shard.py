@@ -110,6 +110,7 @@ class ModelShard(DecoderLayers):
             )
         refuse_unsupported(config, text, self.info.model_type)
         self._head_lock = threading.Lock()
+        self._rows: tuple = (None, None)  # the embedding weight and its rows as bytes (:meth:`_embedding_rows`)
         # the layer math runs the skeleton's own modules, which loading fills in place
         super().__init__(build_skeleton(text, dtype, self.info.model_type), text, start, end, layer_types)
         # with ``quantize``, the node's own layers only: embeddings and LM head stay as loaded
@@ -221,8 +222,26 @@ class ModelShard(DecoderLayers):
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         """Hidden states ``[1, T, hidden]`` for ``token_ids`` (head only)."""
         self.ensure_head()
+        module = self.model.model.embed_tokens
+        if len(token_ids) == 1 and 0 <= token_ids[0] < module.num_embeddings:
+            rows = self._embedding_rows(module)
+            if rows is not None:
+                # a decode step's token: its row's bytes copied straight, 0.08 ms where the module's call took 0.22
+                # (torch's code runs cold after a step's layers, once per token; 0.12-0.16 ms in a step's time)
+                return torch.from_numpy(rows[token_ids[0]].copy()).view(module.weight.dtype).view(1, 1, -1) \
+                    .to(self.dtype)
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        return self.model.model.embed_tokens(ids).to(self.dtype)
+        return module(ids).to(self.dtype)
+
+    def _embedding_rows(self, module: torch.nn.Module):
+        """The embedding table as rows of bytes in host memory, for a plain table (none scaled or renormed, none
+        on a device): None otherwise. Kept while the module keeps the same weight."""
+        weight = module.weight
+        if self._rows[0] is not weight:
+            plain = (type(module) is torch.nn.Embedding and module.max_norm is None and weight.device.type == "cpu"
+                     and weight.is_contiguous() and weight.dim() == 2)
+            self._rows = weight, (weight.detach().view(torch.uint8).numpy() if plain else None)
+        return self._rows[1]
 
     def step(
         self,

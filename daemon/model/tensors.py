@@ -38,4 +38,6 @@ def to_activation(tensor: torch.Tensor, *, dtype: str = "float32") -> Activation
 
 def as_sent(tensor: torch.Tensor, *, wire_dtype: str, compute_dtype: torch.dtype) -> torch.Tensor:
     """``tensor`` as the next hop would see it after a trip over the wire in ``wire_dtype``, without the bytes."""
+    if tensor.dtype == compute_dtype == DTYPES[wire_dtype]:  # nothing to round (each call costs, run cold)
+        return tensor
     return tensor.to(DTYPES[wire_dtype]).to(compute_dtype)
