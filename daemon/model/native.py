@@ -65,63 +65,31 @@ class Library:
         self.path = path
         self.key = path.stem
         lib = ctypes.CDLL(str(path))
-        self.gemv = lib.meshnet_gemv
-        self.gemv.argtypes = [_P, _P, _P, _P, _L, _L, _L, _I, _P]
-        self.gemv.restype = None
-        self.gemv_pairs = lib.meshnet_gemv_pairs
-        self.gemv_pairs.argtypes = [_P, _L, _P, _L, _P, _P, _L, _L, _I, _P]
-        self.gemv_pairs.restype = None
-        self.gemv_int8 = lib.meshnet_gemv_int8
-        self.gemv_int8.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
-        self.gemv_int8.restype = None
-        self.gemm_int8 = lib.meshnet_gemm_int8
-        self.gemm_int8.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
-        self.gemm_int8.restype = None
-        self.gemm_q4 = lib.meshnet_gemm_q4
-        self.gemm_q4.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
-        self.gemm_q4.restype = None
-        self.gemv_q4 = lib.meshnet_gemv_q4
-        self.gemv_q4.argtypes = [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P]
-        self.gemv_q4.restype = None
-        self.gemv_pairs_q4 = lib.meshnet_gemv_pairs_q4
-        self.gemv_pairs_q4.argtypes = [_P, _P, _P, _L, _P, _P, _L, _L, _I, _P]
-        self.gemv_pairs_q4.restype = None
-        self.dequantize_q4 = lib.meshnet_dequantize_q4
-        self.dequantize_q4.argtypes = [_P, _P, _P, _L, _L, _L, _I]
-        self.dequantize_q4.restype = None
-        self.llama_layer = lib.meshnet_llama_layer
-        self.llama_layer.argtypes = [ctypes.POINTER(Layer), _P, _P, _P, _P, _P, _L, _L, _L, _P]
-        self.llama_layer.restype = None
-        self.llama_layer_batch = lib.meshnet_llama_layer_batch
-        self.llama_layer_batch.argtypes = [ctypes.POINTER(Layer), _P, _P, _P, _P, _P, _P, _P, _L, _P]
-        self.llama_layer_batch.restype = None
-        self.attend_bf16 = lib.meshnet_attend_bf16
-        self.attend_bf16.argtypes = [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, ctypes.c_float, _P]
-        self.attend_bf16.restype = None
-        self.delta_step = lib.meshnet_delta_step
-        self.delta_step.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _P]
-        self.delta_step.restype = None
-        self.q8_floats = lib.meshnet_q8_floats
-        self.q8_floats.argtypes = [_L]
-        self.q8_floats.restype = _L
-        self.set_ahead = lib.meshnet_set_ahead
-        self.set_ahead.argtypes = [_I, _L]
-        self.set_ahead.restype = None
-        self.ahead = lib.meshnet_ahead
-        self.ahead.argtypes = [_I]
-        self.ahead.restype = _L
-        self.set_four_tall = lib.meshnet_set_four_tall
-        self.set_four_tall.argtypes = [_I]
-        self.set_four_tall.restype = None
-        self.four_tall = lib.meshnet_four_tall
-        self.four_tall.argtypes = []
-        self.four_tall.restype = _I
-        self.argmax = lib.meshnet_argmax
-        self.argmax.argtypes = [_P, _L]
-        self.argmax.restype = _L
-        self.send_and_wait = lib.meshnet_send_and_wait  # ctypes lets go of the GIL while the team sleeps
-        self.send_and_wait.argtypes = [_I, ctypes.c_char_p, _L, ctypes.POINTER(_I), _I, _I, _I]
-        self.send_and_wait.restype = _I
+        for name, argtypes, restype in (  # each entry point meshnet_<name>, bound as self.<name>
+            ("gemv", [_P, _P, _P, _P, _L, _L, _L, _I, _P], None),
+            ("gemv_pairs", [_P, _L, _P, _L, _P, _P, _L, _L, _I, _P], None),
+            ("gemv_int8", [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P], None),
+            ("gemm_int8", [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P], None),
+            ("gemm_q4", [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P], None),
+            ("gemv_q4", [_P, _P, _P, _P, _P, _L, _L, _L, _I, _P], None),
+            ("gemv_pairs_q4", [_P, _P, _P, _L, _P, _P, _L, _L, _I, _P], None),
+            ("dequantize_q4", [_P, _P, _P, _L, _L, _L, _I], None),
+            ("llama_layer", [ctypes.POINTER(Layer), _P, _P, _P, _P, _P, _L, _L, _L, _P], None),
+            ("llama_layer_batch", [ctypes.POINTER(Layer), _P, _P, _P, _P, _P, _P, _P, _L, _P], None),
+            ("attend_bf16", [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, ctypes.c_float, _P], None),
+            ("delta_step", [_P, _P, _P, _P, _P, _P, _P, _P, _I, _P], None),
+            ("q8_floats", [_L], _L),
+            ("set_ahead", [_I, _L], None),
+            ("ahead", [_I], _L),
+            ("set_four_tall", [_I], None),
+            ("four_tall", [], _I),
+            ("argmax", [_P, _L], _L),
+            # ctypes lets go of the GIL while the team sleeps
+            ("send_and_wait", [_I, ctypes.c_char_p, _L, ctypes.POINTER(_I), _I, _I, _I], _I),
+        ):
+            function = getattr(lib, f"meshnet_{name}")
+            function.argtypes, function.restype = argtypes, restype
+            setattr(self, name, function)
 
     def wait_readable(self, fds: list[int], *, team: bool, timeout: float | None = None, send_fd: int = -1,
                       data: bytes = b"") -> int:
