@@ -142,6 +142,56 @@ def copy_out_of_file(source, target, mappings: list[tuple[int, int]], *, block_b
 
 
 _MADV_DONTNEED = 4
+_MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
+WEIGHT_ALIGN = 64  # a cache line: where each weight in an arena begins
+
+
+class WeightArena:
+    """Weights smaller than a chunk, packed side by side into chunks of memory on transparent huge pages.
+
+    torch puts an allocation of 2 MiB and more on huge pages (:func:`prefer_huge_pages`), but a 3.4 MiB matrix then
+    covers one huge page and a part, and weights under 2 MiB (most of an int8 or 4-bit layer's, every norm) none:
+    streamed through 4 KiB pages, each page is a TLB miss at every step. Packed here, every 2 MiB of them is one huge
+    page. A chunk's pages are faulted in as its weights are written: what it has not handed out is not resident, and
+    a part-filled chunk holds one huge page more than its weights at most.
+    """
+
+    CHUNK = 64 << 20
+
+    def __init__(self, chunk_bytes: int = CHUNK) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._chunk = None  # the chunk being filled (a uint8 torch tensor), and how far
+        self._used = 0
+        self._storages: set[int] = set()  # the chunks' storages, by address
+
+    def takes(self, tensor) -> bool:
+        """Whether ``tensor`` fits: one contiguous range on the CPU, smaller than a chunk."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return tensor.device.type == "cpu" and tensor.is_contiguous() and 0 < nbytes < self.chunk_bytes
+
+    def holds(self, tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self._storages
+
+    def empty_like(self, tensor):
+        """Room for a copy of ``tensor`` (one the arena :meth:`takes`): an uninitialised view of a chunk."""
+        nbytes = tensor.numel() * tensor.element_size()
+        start = -(-self._used // WEIGHT_ALIGN) * WEIGHT_ALIGN
+        if self._chunk is None or start + nbytes > self.chunk_bytes:
+            self._chunk, start = self._new_chunk(), 0
+        self._used = start + nbytes
+        return self._chunk[start:start + nbytes].view(tensor.dtype).view(tensor.shape)
+
+    def _new_chunk(self):
+        import torch
+
+        raw = torch.empty(self.chunk_bytes + HUGE_PAGE, dtype=torch.uint8)  # room to begin on a huge page's boundary
+        skip = -raw.data_ptr() % HUGE_PAGE  # the bytes before it are never touched, so never resident
+        chunk = raw[skip:skip + self.chunk_bytes]
+        if LIBC is not None:  # torch asks this itself where it aligns the allocation (THP_MEM_ALLOC_ENABLE)
+            LIBC.madvise(ctypes.c_void_p(chunk.data_ptr()), ctypes.c_size_t(self.chunk_bytes), _MADV_HUGEPAGE)
+        self._storages.add(chunk.untyped_storage().data_ptr())
+        return chunk
 
 
 def _load_libc():

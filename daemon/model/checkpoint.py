@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from daemon.errors import ModelUnavailable
-from daemon.host import return_freed_memory
+from daemon.host import WeightArena, return_freed_memory
 from daemon.wire import MAX_SEQUENCE
 
 if TYPE_CHECKING:
@@ -239,6 +239,8 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
     # A layer at a time, from files mapped for it alone, quantized as soon as it is in: a mapped file's pages
     # count in this process's memory while mapped, so a node converting float32 weights to bfloat16 or int8
     # would otherwise peak at the float32 bytes of all its layers on top of what it keeps.
+    # a node's small weights packed onto huge pages (ADR-0056), where torch puts its large ones there
+    arena = WeightArena() if huge_pages_preferred() and device.type == "cpu" else None
     for group, keys_by_file in _quiet_progress(groups.items()):
         handles = {file: safe_open(str(file), framework="pt", device=str(device)) for file in keys_by_file}
         state_dict = {key: handles[file].get_slice(key) for file, keys in keys_by_file.items() for key in keys}
@@ -257,13 +259,12 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
         # A layer whose checkpoint tensors were fused (MoE experts, qkv) or quantized holds new memory: its other
         # weights still in the file are copied too, so nothing keeps this group's file mapped, and the pages the
         # new tensors were read from leave the resident set (else they stay counted beside them until the node
-        # exits). Tensors already in memory of their own (the fused experts) are not copied again. Where torch
-        # allocates on huge pages, a layer's large weights are copied too: read from the file's mapping, they would
-        # stream through 4 KiB pages at every step (ADR-0047).
+        # exits). Where torch allocates on huge pages, every weight of a layer is copied, the ones smaller than an
+        # arena's chunk into the arena: read from the file's mapping, or from allocations under 2 MiB, they would
+        # stream through 4 KiB pages at every step (ADR-0047, ADR-0056).
         fused = layer is not None and sum(len(k) for k in keys_by_file.values()) > sum(1 for _ in layer.parameters())
-        if layer is not None and (quantize or fused or huge_pages_preferred()):
-            own_memory(layer.parameters(), mappings if mappings is not None else file_mappings(),
-                       smallest=0 if quantize or fused else HUGE_PAGES_FROM)
+        if layer is not None and (quantize or fused or arena is not None):
+            own_memory(layer.parameters(), mappings if mappings is not None else file_mappings(), arena=arena)
             # the float weights a quantizer replaced are freed as it drops them (no reference cycle holds them,
             # tests/unit/test_quantize.py): no collection here, which took 0.15-0.9 s a layer
             return_freed_memory()  # what fusing and casting left in the C heap
@@ -280,28 +281,33 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
 
 
 COPY_BYTES = 16 << 20  # a weight is copied out of its file this much at a time
-# weights this large and up leave the file for huge pages: a row product over 8-16 MiB of bfloat16 streamed 8% faster
-# on them, over 3.4 MiB of float32 (the built-in model's, less than two huge pages) no faster (ADR-0047)
-HUGE_PAGES_FROM = 8 << 20
 
 
-def own_memory(parameters, mappings: list[tuple[int, int]], *, smallest: int = 0) -> None:
-    """Copy each of ``parameters`` of ``smallest`` bytes or more that is still read from a checkpoint's file mapping
-    (``mappings``) into memory of its own, a few MiB at a time, letting go of each part's file pages once copied:
-    the resident set holds a weight twice for one part at most, not for a whole layer. Tensors not in a file
-    mapping are left as they are."""
+def own_memory(parameters, mappings: list[tuple[int, int]], *, arena: WeightArena | None = None) -> None:
+    """Copy each of ``parameters`` still read from a checkpoint's file mapping (``mappings``) into memory of its own,
+    a few MiB at a time, letting go of each part's file pages once copied: the resident set holds a weight twice for
+    one part at most, not for a whole layer. With an ``arena``, each weight it takes (:meth:`WeightArena.takes`) is
+    copied into it, from a file or from memory of its own; others not in a file mapping are left as they are."""
     import torch
 
     from daemon.host import copy_out_of_file, in_file_mapping
 
     for parameter in parameters:
         data = parameter.data
-        nbytes = data.numel() * data.element_size()
-        mapped = type(data) is torch.Tensor and in_file_mapping(data.data_ptr(), nbytes, mappings)
-        if mapped and nbytes >= smallest:
+        if type(data) is not torch.Tensor:  # a tensor subclass keeps its own storage
+            continue
+        mapped = in_file_mapping(data.data_ptr(), data.numel() * data.element_size(), mappings)
+        if arena is not None and arena.takes(data) and not arena.holds(data):
+            copy = arena.empty_like(data)
+        elif mapped:
             copy = torch.empty_like(data)
+        else:
+            continue
+        if mapped:
             copy_out_of_file(data, copy, mappings, block_bytes=COPY_BYTES)
-            parameter.data = copy
+        else:
+            copy.copy_(data)
+        parameter.data = copy
 
 
 def buffers_to_device(model: torch.nn.Module, device: torch.device) -> None:

@@ -1,5 +1,6 @@
 """Weights on huge pages: a node whose torch allocates on them (``THP_MEM_ALLOC_ENABLE``, which meshd sets) copies its
-layers' large weights out of the checkpoint's file mapping, a part at a time, and holds them once."""
+layers' weights out of the checkpoint's file mapping, a part at a time, the small ones packed into an arena's chunks
+(``WeightArena``), and holds them once."""
 
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ import torch
 from safetensors.torch import save_file
 
 from daemon.host import (
+    HUGE_PAGE,
     TORCH_HUGE_PAGES,
+    WEIGHT_ALIGN,
+    WeightArena,
     copy_out_of_file,
     file_mappings,
     huge_pages_preferred,
     in_file_mapping,
     prefer_huge_pages,
 )
-from daemon.model.checkpoint import COPY_BYTES, HUGE_PAGES_FROM, own_memory
+from daemon.model.checkpoint import COPY_BYTES, own_memory
 from tests.support.tiny_models import TOKENIZER_FILES
 
 
@@ -40,11 +44,44 @@ def test_own_memory_copies_a_mapped_weight_and_leaves_others(tmp_path):
     mapped = torch.nn.Parameter(handle.get_tensor("w"), requires_grad=False)
     small = torch.nn.Parameter(handle.get_tensor("b"), requires_grad=False)
     own = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
-    kept = own.data_ptr(), small.data_ptr()
+    kept = own.data_ptr()
     assert _mapped(mapped.data) and _mapped(small.data)  # safetensors hands out the file's pages as they are
-    own_memory([mapped, own, small], file_mappings(), smallest=1024)
+    own_memory([mapped, own, small], file_mappings())
     assert not _mapped(mapped.data) and torch.equal(mapped.data, weights["w"])
-    assert (own.data_ptr(), small.data_ptr()) == kept  # already its own; too small to be worth a copy
+    assert not _mapped(small.data) and torch.equal(small.data, weights["b"])
+    assert own.data_ptr() == kept  # already its own: without an arena, left where it is
+
+
+def test_an_arena_packs_small_weights_onto_huge_page_chunks_from_a_file_or_memory(tmp_path):
+    """Small weights, mapped or not, are copied exactly into chunks that begin on a huge page, one after another at
+    cache-line boundaries; a weight as large as a chunk, and one copied already, stay where they are."""
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    weights = {"q": torch.randn(576, 576), "norm": torch.randn(576), "down": torch.randn(576, 1536)}
+    save_file(weights, tmp_path / "w.safetensors")
+    handle = safe_open(str(tmp_path / "w.safetensors"), framework="pt")
+    mapped = [torch.nn.Parameter(handle.get_tensor(name), requires_grad=False) for name in weights]
+    quantized = torch.nn.Parameter(torch.randint(-127, 128, (192, 577), dtype=torch.int8), requires_grad=False)
+    scale = torch.nn.Parameter(torch.rand(192, dtype=torch.float16), requires_grad=False)
+    large = torch.nn.Parameter(torch.randn(1 << 20), requires_grad=False)  # 4 MiB: a chunk's size here
+    values = [p.data.clone() for p in (*mapped, quantized, scale, large)]
+    arena = WeightArena(chunk_bytes=4 << 20)
+    own_memory([*mapped, quantized, scale, large], file_mappings(), arena=arena)
+    packed = [*mapped, quantized, scale]
+    for parameter, value in zip([*packed, large], values):
+        assert parameter.dtype == value.dtype and torch.equal(parameter.data, value)
+    assert not any(_mapped(p.data) for p in mapped)
+    assert large.data_ptr() == values[-1].data_ptr() or torch.equal(large.data, values[-1])
+    assert not arena.takes(large.data) and all(arena.holds(p.data) for p in packed)
+    chunks = {p.data.untyped_storage().data_ptr() for p in packed}
+    assert len(chunks) == 2  # 1.3 + 0.002 + 3.4 MiB: the matrix that does not fit begins a second chunk
+    starts = sorted(p.data_ptr() for p in packed)
+    assert all(start % WEIGHT_ALIGN == 0 for start in starts)
+    assert any(start % HUGE_PAGE == 0 for start in starts)  # a chunk's first weight begins on a huge page
+    before = [p.data_ptr() for p in packed]
+    own_memory(packed, file_mappings(), arena=arena)  # held already: not copied again
+    assert [p.data_ptr() for p in packed] == before
 
 
 def _file_resident() -> int:
@@ -131,7 +168,7 @@ with open("/proc/self/clear_refs", "w") as f:
 before, huge_before = status("VmRSS"), anon_huge()
 shard = ModelShard(sys.argv[1], 1, 3, head=False, kv_cache=False, dtype=torch.bfloat16)
 layers = shard.model.model.layers[1:3]
-weights = [p for layer in layers for p in layer.parameters() if p.numel() * p.element_size() >= LARGE]
+weights = [p for layer in layers for p in layer.parameters()]
 mappings = file_mappings()
 print(json.dumps({
     "growth": status("VmHWM") - before, "held": sum(p.numel() * p.element_size() for p in weights),
@@ -142,8 +179,7 @@ print(json.dumps({
 
 def _load(folder: Path, huge_pages: str) -> dict:
     env = os.environ | {TORCH_HUGE_PAGES: huge_pages}
-    script = LOAD.replace("LARGE", str(HUGE_PAGES_FROM))  # the weights large enough to be copied
-    out = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-c", LOAD, str(folder)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -171,11 +207,12 @@ def test_a_node_on_huge_pages_holds_its_weights_once_outside_the_file(tmp_path, 
     # rest (the tokenizer, the model's skeleton)
     off, on = _load(tmp_path, "0"), _load(tmp_path, "1")
     copies = (on["growth"] - off["growth"]) / on["held"]
-    print(f"a tail of 2 layers and an LM head, {on['held'] / 2**20:.0f} MiB of large layer weights: the load grew "
+    print(f"a tail of 2 layers and an LM head, {on['held'] / 2**20:.0f} MiB of layer weights: the load grew "
           f"the peak by {off['growth'] / 2**20:.0f} MiB with them in the file, {on['growth'] / 2**20:.0f} MiB on huge "
           f"pages ({copies:.2f}x the weights more), {on['huge'] / 2**20:.0f} MiB of them huge")
-    assert on["held"] == 6 * (16 << 20) and on["weights"] == 6  # 2 x 3 MLP matrices of 16 MiB
+    per_layer = 2 * (1024 * 1024) + 2 * (256 * 1024) + 3 * (8192 * 1024) + 2 * 1024  # q, o; k, v; the MLP; norms
+    assert on["held"] == 2 * 2 * per_layer and on["weights"] == 2 * 9  # bfloat16, 2 layers
     assert off["mapped"] == off["weights"] and on["mapped"] == 0, (off, on)
     assert copies <= 1.1  # each part's file pages let go once copied: kept, they count beside the copies (1.98x)
     if _host_offers_huge_pages():
-        assert on["huge"] >= on["held"] // 2
+        assert on["huge"] >= 0.9 * on["held"]  # every weight, the small ones packed into an arena's chunks
