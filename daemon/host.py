@@ -148,27 +148,31 @@ WEIGHT_ALIGN = 64  # a cache line: where each weight in an arena begins
 
 
 class WeightArena:
-    """Weights smaller than a chunk, packed side by side into chunks of memory on transparent huge pages.
+    """Small weights, packed side by side into chunks of memory on transparent huge pages.
 
     torch puts an allocation of 2 MiB and more on huge pages (:func:`prefer_huge_pages`), but a 3.4 MiB matrix then
     covers one huge page and a part, and weights under 2 MiB (most of an int8 or 4-bit layer's, every norm) none:
     streamed through 4 KiB pages, each page is a TLB miss at every step. Packed here, every 2 MiB of them is one huge
     page. A chunk's pages are faulted in as its weights are written: what it has not handed out is not resident, and
-    a part-filled chunk holds one huge page more than its weights at most.
+    a part-filled chunk holds one huge page more than its weights at most. A weight of ``largest`` bytes and more
+    keeps an allocation of its own: its part-filled last huge page is a small share of it, and a second copy of a
+    large quantized weight would raise a node's peak at load.
     """
 
     CHUNK = 64 << 20
+    LARGEST = 8 << 20
 
-    def __init__(self, chunk_bytes: int = CHUNK) -> None:
+    def __init__(self, chunk_bytes: int = CHUNK, largest: int = LARGEST) -> None:
         self.chunk_bytes = chunk_bytes
+        self.largest = min(largest, chunk_bytes)
         self._chunk = None  # the chunk being filled (a uint8 torch tensor), and how far
         self._used = 0
         self._storages: set[int] = set()  # the chunks' storages, by address
 
     def takes(self, tensor) -> bool:
-        """Whether ``tensor`` fits: one contiguous range on the CPU, smaller than a chunk."""
+        """Whether ``tensor`` belongs here: one contiguous range on the CPU, smaller than ``largest``."""
         nbytes = tensor.numel() * tensor.element_size()
-        return tensor.device.type == "cpu" and tensor.is_contiguous() and 0 < nbytes < self.chunk_bytes
+        return tensor.device.type == "cpu" and tensor.is_contiguous() and 0 < nbytes < self.largest
 
     def holds(self, tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self._storages

@@ -259,9 +259,9 @@ def load_parts(model: torch.nn.Module, folder: Path, parts: set[str], *, layers:
         # A layer whose checkpoint tensors were fused (MoE experts, qkv) or quantized holds new memory: its other
         # weights still in the file are copied too, so nothing keeps this group's file mapped, and the pages the
         # new tensors were read from leave the resident set (else they stay counted beside them until the node
-        # exits). Where torch allocates on huge pages, every weight of a layer is copied, the ones smaller than an
-        # arena's chunk into the arena: read from the file's mapping, or from allocations under 2 MiB, they would
-        # stream through 4 KiB pages at every step (ADR-0047, ADR-0056).
+        # exits). Where torch allocates on huge pages, every weight of a layer is copied, the ones under 8 MiB into
+        # the arena: read from the file's mapping, or from allocations under 2 MiB, they would stream through 4 KiB
+        # pages at every step (ADR-0047, ADR-0056).
         fused = layer is not None and sum(len(k) for k in keys_by_file.values()) > sum(1 for _ in layer.parameters())
         if layer is not None and (quantize or fused or arena is not None):
             own_memory(layer.parameters(), mappings if mappings is not None else file_mappings(), arena=arena)

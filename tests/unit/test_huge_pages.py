@@ -54,7 +54,7 @@ def test_own_memory_copies_a_mapped_weight_and_leaves_others(tmp_path):
 
 def test_an_arena_packs_small_weights_onto_huge_page_chunks_from_a_file_or_memory(tmp_path):
     """Small weights, mapped or not, are copied exactly into chunks that begin on a huge page, one after another at
-    cache-line boundaries; a weight as large as a chunk, and one copied already, stay where they are."""
+    cache-line boundaries; a large weight in memory of its own, and one copied already, stay where they are."""
     from safetensors import safe_open
 
     torch.manual_seed(0)
@@ -64,15 +64,16 @@ def test_an_arena_packs_small_weights_onto_huge_page_chunks_from_a_file_or_memor
     mapped = [torch.nn.Parameter(handle.get_tensor(name), requires_grad=False) for name in weights]
     quantized = torch.nn.Parameter(torch.randint(-127, 128, (192, 577), dtype=torch.int8), requires_grad=False)
     scale = torch.nn.Parameter(torch.rand(192, dtype=torch.float16), requires_grad=False)
-    large = torch.nn.Parameter(torch.randn(1 << 20), requires_grad=False)  # 4 MiB: a chunk's size here
+    large = torch.nn.Parameter(torch.randn(1 << 20), requires_grad=False)  # 4 MiB: the arena's largest here
     values = [p.data.clone() for p in (*mapped, quantized, scale, large)]
-    arena = WeightArena(chunk_bytes=4 << 20)
+    arena = WeightArena(chunk_bytes=4 << 20, largest=4 << 20)
+    large_at = large.data_ptr()
     own_memory([*mapped, quantized, scale, large], file_mappings(), arena=arena)
     packed = [*mapped, quantized, scale]
     for parameter, value in zip([*packed, large], values):
         assert parameter.dtype == value.dtype and torch.equal(parameter.data, value)
     assert not any(_mapped(p.data) for p in mapped)
-    assert large.data_ptr() == values[-1].data_ptr() or torch.equal(large.data, values[-1])
+    assert large.data_ptr() == large_at  # in memory of its own, and not small: left where it is
     assert not arena.takes(large.data) and all(arena.holds(p.data) for p in packed)
     chunks = {p.data.untyped_storage().data_ptr() for p in packed}
     assert len(chunks) == 2  # 1.3 + 0.002 + 3.4 MiB: the matrix that does not fit begins a second chunk
