@@ -1,6 +1,6 @@
 """Facts about the machine this process runs on: the cores it may use and the CPU's name; handing the C
-heap's free memory back to it (and having large temporaries bypass the heap while kernels are timed), and letting go
-of pages read from files this process maps.
+heap's free memory back to it (and having large temporaries bypass the heap while kernels are timed), letting go
+of pages read from files this process maps, and packing small weights onto huge pages (:class:`WeightArena`).
 
 Standard library only, and nothing of the daemon: the config, the model code and the bench all
 read these, so they live below every layer.
